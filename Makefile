@@ -1,0 +1,43 @@
+# Every target creates the virtual environment it needs when it is missing.
+PYTHON ?= python3
+VENV ?= .venv
+CONSTRAINTS ?= constraints.txt
+COMPAT_VENV ?= .venv-compat
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test test-compat lint format demo bench clean
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip -c $(CONSTRAINTS) 'pip<26' || true
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-compat:
+	$(MAKE) test VENV=$(COMPAT_VENV) CONSTRAINTS=constraints-compat.txt
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix src tests benchmarks examples
+	$(VENV)/bin/ruff format src tests benchmarks examples
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+bench: $(STAMP)
+	$(PY) benchmarks/apply_overhead.py
+	$(PY) benchmarks/load_conversion.py
+	$(PY) benchmarks/replay_overhead.py
+	$(PY) benchmarks/grafts_speed.py
+
+clean:
+	rm -rf $(VENV) $(COMPAT_VENV) .pytest_cache .ruff_cache .bench-cache

@@ -1,0 +1,38 @@
+"""modelgraft: swap the building blocks of Hugging Face transformers models at load time.
+
+Importing modelgraft installs its load hooks into transformers (idempotent; see
+``modelgraft.hooks``). The public API is exactly ``__all__``; every other module is private.
+"""
+
+from __future__ import annotations
+
+from modelgraft import _compat  # noqa: F401  (fails early on an unsupported transformers)
+from modelgraft.errors import (
+    ConversionError,
+    ConversionShapeError,
+    GraftError,
+    IrreversibleConversionError,
+    MissingSourceKeyError,
+    PatchRegistrationError,
+    ReplacementTypeError,
+    RoutingError,
+    StrictModeError,
+    UnsupportedTransformersError,
+)
+
+__version__ = "0.1.0"
+
+# Each area appends its public names in its own block below; keep __all__ sorted at the end.
+__all__ = [
+    "ConversionError",
+    "ConversionShapeError",
+    "GraftError",
+    "IrreversibleConversionError",
+    "MissingSourceKeyError",
+    "PatchRegistrationError",
+    "ReplacementTypeError",
+    "RoutingError",
+    "StrictModeError",
+    "UnsupportedTransformersError",
+    "__version__",
+]
