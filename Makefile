@@ -10,7 +10,6 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip -c $(CONSTRAINTS) 'pip<26' || true
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP)
 
