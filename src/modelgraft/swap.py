@@ -1,0 +1,293 @@
+"""Swap classes in module namespaces for the duration of a block, and restore them exactly.
+
+Modeling code looks its building blocks up in its module's globals when a model is constructed
+(``self.self_attn = LlamaAttention(...)``), so binding a replacement under that global name for the
+duration of the construction is enough to build the model from the replacement.
+
+Scope: the loaded ``transformers.models.*.modeling_*`` modules and ``transformers.integrations.*``,
+remote-code modules (``transformers_modules.*``), the modules defining the model class being built
+(see :meth:`Swap.add_class`), and package prefixes added with :func:`add_scope_prefix`.
+
+Cost: each in-scope module is indexed once (the names bound to ``nn.Module`` subclasses, read from
+its ``__dict__``, never ``dir()``), and re-indexed only when its namespace grows or shrinks. The
+names that match a snapshot are cached per snapshot version, so a block whose registry did not
+change costs a few dictionary operations per swapped binding. Nothing is imported by a scan.
+
+Example:
+    >>> import torch
+    >>> from transformers.models.llama import modeling_llama
+    >>> from modelgraft import registry, swap
+    >>> class MyMLP(modeling_llama.LlamaMLP):
+    ...     pass
+    >>> with registry.scoped({"LlamaMLP": MyMLP}) as snap, swap.Swap(snap):
+    ...     modeling_llama.LlamaMLP is MyMLP
+    True
+    >>> modeling_llama.LlamaMLP is MyMLP
+    False
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from types import ModuleType, TracebackType
+
+import torch
+
+from modelgraft.registry import Snapshot
+from modelgraft.report import ReplacedModule
+
+__all__ = ["LOCK", "STATS", "Swap", "add_scope_prefix", "in_scope_modules", "remove_scope_prefix"]
+
+#: Serialises every construction that runs under patches (and every load through the hooks), so a
+#: thread never builds from another thread's swapped classes. Re-entrant for nested loads.
+LOCK = threading.RLock()
+
+#: Internal counters, for tests and benchmarks: ``scans`` counts plans computed by swaps.
+STATS = {"scans": 0}
+
+_user_prefixes: tuple[str, ...] = ()
+# module name -> (module object, namespace size when indexed, names bound to nn.Module classes)
+_index: dict[str, tuple[ModuleType, int, tuple[str, ...]]] = {}
+_index_generation = 0
+_scope_cache: tuple[tuple[object, ...], list[tuple[str, ModuleType]]] | None = None
+# (snapshot version, index generation, module names) -> {module name: ((attr, key, replacement), ...)}
+_plan_cache: dict[tuple[object, ...], dict[str, tuple[tuple[str, str, type], ...]]] = {}
+_LIBRARY_ROOTS = ("builtins", "torch", "typing", "abc", "collections", "transformers")
+
+_Applied = tuple[ModuleType, str, type, type, str]  # module, attr, original, replacement, key
+
+
+def add_scope_prefix(prefix: str) -> None:
+    """Also swap classes in loaded modules named ``prefix`` or ``prefix.*`` (e.g. ``"mypkg.models"``).
+
+    Example:
+        >>> add_scope_prefix("mypkg"); remove_scope_prefix("mypkg")
+    """
+    global _user_prefixes
+    if prefix not in _user_prefixes:
+        _user_prefixes = (*_user_prefixes, prefix)
+
+
+def remove_scope_prefix(prefix: str) -> None:
+    """Undo :func:`add_scope_prefix` (unknown prefixes are ignored)."""
+    global _user_prefixes
+    _user_prefixes = tuple(p for p in _user_prefixes if p != prefix)
+
+
+def _name_in_scope(name: str) -> bool:
+    if name.startswith("transformers."):
+        parts = name.split(".")
+        if parts[1] == "models":
+            return len(parts) >= 4 and parts[-1].startswith("modeling_")
+        return parts[1] == "integrations"
+    if name.startswith("transformers_modules."):
+        return True
+    return any(name == p or name.startswith(p + ".") for p in _user_prefixes)
+
+
+def in_scope_modules() -> list[tuple[str, ModuleType]]:
+    """Return ``(name, module)`` for every loaded module in the swap scope (cached until imports change).
+
+    Example:
+        >>> import transformers.models.llama.modeling_llama
+        >>> "transformers.models.llama.modeling_llama" in dict(in_scope_modules())
+        True
+    """
+    global _scope_cache
+    modules = sys.modules
+    # New imports are appended to sys.modules, so its size and last key detect them cheaply.
+    token = (len(modules), next(reversed(modules)) if modules else None, _user_prefixes)
+    if _scope_cache is not None and _scope_cache[0] == token:
+        return _scope_cache[1]
+    found = [
+        (name, mod)
+        for name, mod in list(modules.items())
+        if isinstance(mod, ModuleType) and _name_in_scope(name)
+    ]
+    _scope_cache = (token, found)
+    return found
+
+
+def _class_names(module: ModuleType) -> tuple[int, tuple[str, ...]]:
+    namespace = module.__dict__
+    names = tuple(
+        name
+        for name, value in list(namespace.items())
+        if isinstance(value, type) and issubclass(value, torch.nn.Module)
+    )
+    return len(namespace), names
+
+
+def _refresh_index(modules: list[tuple[str, ModuleType]]) -> None:
+    """(Re)index the modules that are new, were replaced in sys.modules, or whose namespace changed size."""
+    global _index_generation
+    for name, module in modules:
+        cached = _index.get(name)
+        if cached is not None and cached[0] is module and cached[1] == len(module.__dict__):
+            continue
+        size, names = _class_names(module)
+        _index[name] = (module, size, names)
+        _index_generation += 1
+
+
+def _plan(
+    snap: Snapshot, modules: list[tuple[str, ModuleType]], extra: tuple[str, ...]
+) -> dict[str, tuple[tuple[str, str, type], ...]]:
+    """Return, per module name, the ``(attr, key, replacement)`` bindings ``snap`` swaps in ``modules``."""
+    _refresh_index(modules)
+    cache_key = (snap.version, _index_generation, extra)
+    plan = _plan_cache.get(cache_key)
+    if plan is not None:
+        return plan
+    STATS["scans"] += 1
+    plan = {}
+    for name, _module in modules:
+        hits = []
+        for attr in _index[name][2]:
+            found = snap.find(attr)
+            if found is not None:
+                hits.append((attr, found[0], found[1]))
+        if hits:
+            plan[name] = tuple(hits)
+    if len(_plan_cache) > 32:
+        _plan_cache.clear()
+    _plan_cache[cache_key] = plan
+    return plan
+
+
+def _is_library_module(name: str) -> bool:
+    root = name.partition(".")[0]
+    return root in _LIBRARY_ROOTS and not _name_in_scope(name)
+
+
+class Swap:
+    """Context manager binding the replacements of ``snap`` in the in-scope modules, re-entrantly.
+
+    The first ``__enter__`` swaps; nested ``__enter__`` calls only extend the swap to modules
+    imported (or classes added with :meth:`add_class`) since; the matching outermost ``__exit__``
+    restores every binding it changed (exceptions included), in reverse order. A binding that
+    someone else changed in the meantime is left as they set it. Modules imported during the
+    block that bound a replacement (``from ..modeling_x import XAttention``) get the original back.
+
+    Callers serialise through :data:`LOCK`; ``Swap`` itself does not lock.
+    """
+
+    def __init__(self, snap: Snapshot, classes: tuple[type, ...] = ()) -> None:
+        self.snap = snap
+        self._extra: dict[str, ModuleType] = {}
+        self._applied: list[_Applied] = []
+        self._covered: set[str] = set()
+        self._depth = 0
+        self._start: tuple[int, object] = (0, None)
+        #: replacement class -> {original qualified name: key}, for every binding swapped
+        self.replaced_by: dict[type, dict[str, str]] = {}
+        for cls in classes:
+            self.add_class(cls)
+
+    def add_class(self, cls: type) -> None:
+        """Bring the modules defining ``cls`` and its bases into scope (library modules excluded)."""
+        for klass in cls.__mro__:
+            name = klass.__module__
+            module = sys.modules.get(name)
+            if module is not None and not _is_library_module(name):
+                self._extra[name] = module
+
+    def __enter__(self) -> Swap:
+        self._depth += 1
+        if not self.snap:
+            return self
+        if self._depth == 1:
+            modules = sys.modules
+            self._start = (len(modules), next(reversed(modules)))
+        try:
+            self._apply()
+        except BaseException:
+            self._depth -= 1
+            if self._depth == 0:
+                self._restore()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self.snap:
+            self._restore()
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _apply(self) -> None:
+        modules = in_scope_modules()
+        extra = tuple(n for n in self._extra if not _name_in_scope(n))
+        if extra:
+            modules = [*modules, *((n, self._extra[n]) for n in extra)]
+        plan = _plan(self.snap, modules, extra)
+        for name, hits in plan.items():
+            if name in self._covered:
+                continue
+            self._covered.add(name)
+            module = _index[name][0]
+            namespace = module.__dict__
+            for attr, key, replacement in hits:
+                current = namespace.get(attr)
+                if current is replacement or not isinstance(current, type):
+                    continue
+                setattr(module, attr, replacement)
+                self._applied.append((module, attr, current, replacement, key))
+                original = f"{current.__module__}.{current.__qualname__}"
+                self.replaced_by.setdefault(replacement, {})[original] = key
+
+    def _restore(self) -> None:
+        self._unbind_from_new_modules()
+        applied, self._applied = self._applied, []
+        self._covered.clear()
+        for module, attr, original, replacement, _key in reversed(applied):
+            if module.__dict__.get(attr) is replacement:
+                setattr(module, attr, original)
+
+    def _unbind_from_new_modules(self) -> None:
+        """Give modules imported during the block the originals they copied from swapped modules."""
+        modules = sys.modules
+        if not self._applied or (len(modules), next(reversed(modules))) == self._start:
+            return
+        by_binding = {(attr, id(repl)): orig for _m, attr, orig, repl, _k in self._applied}
+        replacements = {id(a[3]) for a in self._applied}
+        names = list(modules)
+        start_len, start_last = self._start
+        tail = names[start_len:] if start_len and names[start_len - 1] == start_last else names
+        for name in tail:
+            module = modules.get(name)
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            for attr, value in list(namespace.items()):
+                if id(value) in replacements:
+                    original = by_binding.get((attr, id(value)))
+                    if original is not None:
+                        setattr(module, attr, original)
+
+
+def replaced_modules(model: torch.nn.Module, swap: Swap) -> list[ReplacedModule]:
+    """Return the modules of ``model`` built from a replacement bound by ``swap``.
+
+    When one replacement stood in for several originals (a broad pattern), the original is given
+    as the candidates joined with `` | ``.
+    """
+    found = []
+    for path, module in model.named_modules():
+        originals = swap.replaced_by.get(type(module))
+        if not originals:
+            continue
+        names = sorted(originals)
+        keys = sorted(set(originals.values()))
+        replacement = type(module)
+        found.append(
+            ReplacedModule(
+                path=path,
+                original=" | ".join(names),
+                replacement=f"{replacement.__module__}.{replacement.__qualname__}",
+                key=" | ".join(keys),
+            )
+        )
+    return found
