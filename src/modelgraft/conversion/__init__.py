@@ -1,0 +1,63 @@
+"""Checkpoint weight conversion: load checkpoints into grafted layouts and save them back.
+
+Public names are re-exported from :mod:`modelgraft`. :func:`install` wires the engine into the
+installed transformers (idempotent; :func:`uninstall` removes it); importing :mod:`modelgraft`
+calls it.
+
+Example:
+    >>> from modelgraft.conversion import Concatenate, WeightConverter
+    >>> WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)]).is_reversible
+    True
+"""
+
+from __future__ import annotations
+
+from modelgraft.conversion.ops import (
+    Chunk,
+    Concatenate,
+    ConversionContext,
+    ConversionOperation,
+    MergeModulelist,
+    SplitModulelist,
+    Transpose,
+)
+from modelgraft.conversion.rules import (
+    WeightConverter,
+    WeightRenaming,
+    get_checkpoint_conversion_mapping,
+    register_checkpoint_conversion_mapping,
+    scoped_conversions,
+    unregister_checkpoint_conversion_mapping,
+)
+
+__all__ = [
+    "Chunk",
+    "Concatenate",
+    "ConversionContext",
+    "ConversionOperation",
+    "MergeModulelist",
+    "SplitModulelist",
+    "Transpose",
+    "WeightConverter",
+    "WeightRenaming",
+    "get_checkpoint_conversion_mapping",
+    "install",
+    "register_checkpoint_conversion_mapping",
+    "scoped_conversions",
+    "uninstall",
+    "unregister_checkpoint_conversion_mapping",
+]
+
+
+def install() -> None:
+    """Wire the conversion engine into transformers' load and save paths (idempotent)."""
+    from modelgraft.conversion import _transformers_hooks
+
+    _transformers_hooks.install()
+
+
+def uninstall() -> None:
+    """Remove what :func:`install` wired in (idempotent)."""
+    from modelgraft.conversion import _transformers_hooks
+
+    _transformers_hooks.uninstall()

@@ -1,0 +1,313 @@
+"""Conversion rules (:class:`WeightConverter`, :class:`WeightRenaming`) and their registry.
+
+A pattern is a dotted run of key segments; ``*`` stands for one index segment (an expert
+number). ``q_proj`` matches ``model.layers.0.self_attn.q_proj.weight`` (and ``.bias``): the part
+before the run is the *prefix*, the part after it the *suffix*, and the converter writes
+``prefix + target_pattern + suffix``.
+
+Lookup, for a model and each of its sub-models: the entry registered under the class name wins
+over the one under ``model_type``, and the chosen entry is the whole mapping for that (sub)model.
+:func:`scoped_conversions` overlays entries for the current thread or task only.
+
+Example:
+    >>> from modelgraft.conversion import Concatenate, WeightConverter
+    >>> from modelgraft.conversion.rules import scoped_conversions, lookup_conversions
+    >>> fuse = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])
+    >>> with scoped_conversions({"MyModel": [fuse]}):
+    ...     lookup_conversions("MyModel", "llama")[0]
+    'MyModel'
+    >>> lookup_conversions("MyModel", "llama") is None
+    True
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+from modelgraft.conversion.ops import ConversionOperation
+from modelgraft.errors import ConversionError
+
+__all__ = [
+    "WeightConverter",
+    "WeightRenaming",
+    "get_checkpoint_conversion_mapping",
+    "lookup_conversions",
+    "register_checkpoint_conversion_mapping",
+    "scoped_conversions",
+    "unregister_checkpoint_conversion_mapping",
+]
+
+_SEGMENT = re.compile(r"[^.]+")
+
+
+@dataclass(frozen=True)
+class PatternMatch:
+    """Where a pattern matched a key: ``prefix.<pattern>.suffix``, and the ``*`` index if any."""
+
+    prefix: str
+    suffix: str
+    index: int | None
+
+
+class _Pattern:
+    """One compiled source or target pattern."""
+
+    __slots__ = ("has_star", "regex", "text")
+
+    def __init__(self, text: str) -> None:
+        segments = text.split(".")
+        if not text or any(not s for s in segments):
+            raise ConversionError(
+                f"Pattern `{text}` is not a dotted run of key segments (for example `q_proj` or "
+                "`mlp.experts.*.gate_proj.weight`)."
+            )
+        if segments.count("*") > 1:
+            raise ConversionError(
+                f"Pattern `{text}` has more than one `*`; one index per pattern is supported."
+            )
+        self.text = text
+        self.has_star = "*" in segments
+        body = r"\.".join(r"(?P<idx>\d+)" if s == "*" else re.escape(s) for s in segments)
+        # Anchor on segment boundaries so that `v_proj` never matches inside `qkv_proj`.
+        self.regex = re.compile(rf"(?:^|\.)(?P<body>{body})(?=\.|$)")
+
+    def match(self, key: str) -> PatternMatch | None:
+        m = self.regex.search(key)
+        if m is None:
+            return None
+        start, end = m.span("body")
+        idx = m.group("idx") if self.has_star else None
+        return PatternMatch(key[: max(start - 1, 0)], key[end + 1 :], None if idx is None else int(idx))
+
+    def build(self, prefix: str, suffix: str, index: int | None = None) -> str:
+        body = self.text if index is None else self.text.replace("*", str(index))
+        return ".".join(p for p in (prefix, body, suffix) if p)
+
+
+def _as_patterns(value: str | Sequence[str], what: str) -> tuple[str, ...]:
+    items = (value,) if isinstance(value, str) else tuple(value)
+    if not items or not all(isinstance(p, str) for p in items):
+        raise ConversionError(f"`{what}` must be a non-empty string or list of strings; received {value!r}.")
+    return items
+
+
+class WeightConverter:
+    """Turn the checkpoint tensors matched by ``source_patterns`` into ``target_patterns``.
+
+    Args:
+        source_patterns: checkpoint-side patterns, in the order the operations receive them.
+        target_patterns: model-side patterns, in the order the operations produce them.
+        operations: :class:`~modelgraft.conversion.ops.ConversionOperation` instances run in
+            order on load and reversed (in reverse order) on save.
+
+    Example:
+        >>> from modelgraft.conversion import Concatenate
+        >>> WeightConverter(["q_proj", "k_proj", "v_proj"], "qkv_proj", [Concatenate(dim=0)])
+        WeightConverter(['q_proj', 'k_proj', 'v_proj'] -> ['qkv_proj'], [Concatenate(dim=0)])
+    """
+
+    __slots__ = ("_sources", "_targets", "operations", "source_patterns", "target_patterns")
+
+    def __init__(
+        self,
+        source_patterns: str | Sequence[str],
+        target_patterns: str | Sequence[str],
+        operations: Sequence[ConversionOperation] = (),
+    ) -> None:
+        sources = _as_patterns(source_patterns, "source_patterns")
+        targets = _as_patterns(target_patterns, "target_patterns")
+        ops = tuple(operations)
+        for op in ops:
+            if not isinstance(op, ConversionOperation):
+                raise ConversionError(
+                    f"Operation {op!r} of a converter for `{sources}` is not a modelgraft "
+                    "`ConversionOperation`. Use `modelgraft.Concatenate`, `Chunk`, ... or subclass "
+                    "`modelgraft.ConversionOperation`."
+                )
+        if not ops and len(sources) != len(targets):
+            raise ConversionError(
+                f"A converter without operations renames one to one, but `{list(sources)}` -> "
+                f"`{list(targets)}` differ in length. Add operations (e.g. `Concatenate(dim=0)`)."
+            )
+        object.__setattr__(self, "source_patterns", sources)
+        object.__setattr__(self, "target_patterns", targets)
+        object.__setattr__(self, "operations", ops)
+        object.__setattr__(self, "_sources", tuple(_Pattern(p) for p in sources))
+        object.__setattr__(self, "_targets", tuple(_Pattern(p) for p in targets))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"`{type(self).__name__}` is immutable; build a new one instead.")
+
+    def __repr__(self) -> str:
+        ops = f", {list(self.operations)}" if self.operations else ""
+        return f"{type(self).__name__}({list(self.source_patterns)} -> {list(self.target_patterns)}{ops})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self._key() == other._key()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def _key(self) -> tuple:
+        return (self.source_patterns, self.target_patterns, self.operations)
+
+    @property
+    def is_reversible(self) -> bool:
+        """Whether every operation has a reverse (needed to save the original layout)."""
+        return all(op.is_reversible for op in self.operations)
+
+
+class WeightRenaming(WeightConverter):
+    """Rename keys one to one: the ``i``-th source pattern becomes the ``i``-th target pattern.
+
+    Example:
+        >>> WeightRenaming("wq", "q_proj")
+        WeightRenaming(['wq'] -> ['q_proj'])
+    """
+
+    __slots__ = ()
+
+    def __init__(self, source_patterns: str | Sequence[str], target_patterns: str | Sequence[str]) -> None:
+        super().__init__(source_patterns, target_patterns, ())
+
+
+Conversions = tuple[WeightConverter, ...]
+
+_lock = threading.Lock()
+_registry: dict[str, Conversions] = {}
+_scoped: ContextVar[Mapping[str, Conversions] | None] = ContextVar("modelgraft_conversions", default=None)
+
+
+def _validate_entry(key: object, mapping: object) -> Conversions:
+    if not isinstance(key, str) or not key:
+        raise ConversionError(
+            f"A conversion key must be a non-empty model_type or class name; received {key!r}."
+        )
+    if isinstance(mapping, (str, bytes, WeightConverter)) or not isinstance(mapping, Iterable):
+        raise ConversionError(
+            f"The conversion mapping for `{key}` must be a list of `WeightConverter`/`WeightRenaming`; "
+            f"received {type(mapping).__name__}."
+        )
+    items = tuple(mapping)
+    for item in items:
+        if not isinstance(item, WeightConverter):
+            raise ConversionError(
+                f"Entry {item!r} in the conversion mapping for `{key}` is a `{type(item).__module__}."
+                f"{type(item).__name__}`, not a modelgraft `WeightConverter`/`WeightRenaming`. Import them "
+                "from `modelgraft` instead of `transformers`."
+            )
+    return items
+
+
+def _builtin_has(key: str) -> bool:
+    """Whether the installed transformers ships its own conversion for ``key``."""
+    from modelgraft.conversion import _transformers_hooks
+
+    return _transformers_hooks.builtin_conversion_exists(key)
+
+
+def register_checkpoint_conversion_mapping(
+    model_type_or_class_name: str, mapping: Sequence[WeightConverter], overwrite: bool = False
+) -> None:
+    """Register the conversions used when loading (and saving) models of a type or class.
+
+    The key is a class name (``"Qwen2MoeForCausalLM"``) or a ``model_type`` (``"qwen2_moe"``); a
+    class-name entry wins. A key already registered, or one the installed transformers converts
+    itself, needs ``overwrite=True``; the entry then replaces that conversion entirely.
+
+    Raises:
+        ConversionError: invalid entry, or a duplicate without ``overwrite=True`` (nothing changes).
+
+    Example:
+        >>> from modelgraft.conversion import WeightRenaming
+        >>> register_checkpoint_conversion_mapping("my_type", [WeightRenaming("wq", "q_proj")])
+        >>> get_checkpoint_conversion_mapping("my_type")
+        [WeightRenaming(['wq'] -> ['q_proj'])]
+        >>> unregister_checkpoint_conversion_mapping("my_type")
+    """
+    items = _validate_entry(model_type_or_class_name, mapping)
+    with _lock:
+        if not overwrite and (
+            model_type_or_class_name in _registry or _builtin_has(model_type_or_class_name)
+        ):
+            where = "modelgraft" if model_type_or_class_name in _registry else "the installed transformers"
+            raise ConversionError(
+                f"A conversion mapping for `{model_type_or_class_name}` already exists in {where}. Pass "
+                "`overwrite=True` to replace it (your entry then becomes the whole mapping for that model)."
+            )
+        _registry[model_type_or_class_name] = items
+
+
+def unregister_checkpoint_conversion_mapping(keys: str | Sequence[str]) -> None:
+    """Remove registered entries (all or none: an unknown key changes nothing).
+
+    Raises:
+        ConversionError: a key that is not registered.
+    """
+    names = [keys] if isinstance(keys, str) else list(keys)
+    with _lock:
+        unknown = [k for k in names if k not in _registry]
+        if unknown:
+            raise ConversionError(
+                f"Cannot unregister conversion mapping(s) {', '.join(f'`{k}`' for k in unknown)}: not registered. "
+                f"Registered: {sorted(_registry)}."
+            )
+        for k in names:
+            del _registry[k]
+
+
+def get_checkpoint_conversion_mapping(model_type_or_class_name: str) -> list[WeightConverter] | None:
+    """Return the entry visible here (scoped overlay first, then global) as a new list, or ``None``."""
+    scoped = _scoped.get()
+    if scoped is not None and model_type_or_class_name in scoped:
+        return list(scoped[model_type_or_class_name])
+    found = _registry.get(model_type_or_class_name)
+    return None if found is None else list(found)
+
+
+def lookup_conversions(class_name: str, model_type: str | None) -> tuple[str, Conversions] | None:
+    """Return ``(key, converters)`` for a (sub)model: class name first, then ``model_type``."""
+    scoped = _scoped.get() or {}
+    registry = _registry  # dict reads are atomic; writers replace values under the lock
+    for key in (class_name, model_type):
+        if not key:
+            continue
+        if key in scoped:
+            return key, scoped[key]
+        if key in registry:
+            return key, registry[key]
+    return None
+
+
+def has_any_conversions() -> bool:
+    """Cheap check used by the load hooks to stay out of the way when nothing is registered."""
+    return bool(_registry) or bool(_scoped.get())
+
+
+@contextmanager
+def scoped_conversions(conversions: Mapping[str, Sequence[WeightConverter]] | None) -> Iterator[None]:
+    """Make ``conversions`` visible in this thread or task only, for the ``with`` block.
+
+    Scoped entries win over global ones with the same key; nested blocks stack. No global state
+    changes and nothing is checked against transformers' built-ins (a scope replaces them).
+
+    Example:
+        >>> from modelgraft.conversion import WeightRenaming
+        >>> with scoped_conversions({"llama": [WeightRenaming("wq", "q_proj")]}):
+        ...     get_checkpoint_conversion_mapping("llama")
+        [WeightRenaming(['wq'] -> ['q_proj'])]
+        >>> get_checkpoint_conversion_mapping("llama") is None
+        True
+    """
+    validated = {k: _validate_entry(k, v) for k, v in (conversions or {}).items()}
+    merged = {**(_scoped.get() or {}), **validated}
+    token = _scoped.set(merged)
+    try:
+        yield
+    finally:
+        _scoped.reset(token)
