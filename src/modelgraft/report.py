@@ -14,9 +14,13 @@ Example:
 
 from __future__ import annotations
 
+import copy
+import os
 from dataclasses import dataclass, field
 
 import torch
+
+from modelgraft.errors import StrictModeError
 
 _ATTR = "_modelgraft_report"
 
@@ -54,6 +58,31 @@ class GraftReport:
     dropped_checkpoint_keys: dict[str, list[str]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
+    @property
+    def ok(self) -> bool:
+        """True when nothing strict mode would reject was found."""
+        return not (self.problems or self.unloaded_parameters or self.dropped_checkpoint_keys)
+
+    def summary(self) -> str:
+        """Return the report as readable lines (the demo prints this).
+
+        Example:
+            >>> print(GraftReport(model_class="LlamaForCausalLM").summary())
+            GraftReport for LlamaForCausalLM: 0 module(s) replaced
+        """
+        lines = [f"GraftReport for {self.model_class}: {len(self.replaced)} module(s) replaced"]
+        lines += [f"  {r.path}: {r.original} -> {r.replacement} (key `{r.key}`)" for r in self.replaced]
+        if self.unmatched_keys:
+            lines.append(f"  keys that matched nothing in this load: {self.unmatched_keys}")
+        if self.conversions:
+            lines.append(f"  conversions: {len(self.conversions)}")
+        if self.unloaded_parameters:
+            lines.append(f"  uninitialised parameters: {self.unloaded_parameters}")
+        for path, keys in self.dropped_checkpoint_keys.items():
+            lines.append(f"  dropped checkpoint keys under `{path}`: {keys}")
+        lines += [f"  problem: {p}" for p in self.problems]
+        return "\n".join(lines)
+
 
 def _report_for(model: torch.nn.Module, create: bool = True) -> GraftReport | None:
     """Return the report attached to ``model`` (creating an empty one when asked)."""
@@ -69,3 +98,151 @@ def report(model: torch.nn.Module) -> GraftReport:
     """Return what was grafted into ``model`` (an empty report for an untouched model)."""
     found = _report_for(model, create=False)
     return found if found is not None else GraftReport(model_class=type(model).__qualname__)
+
+
+# ---- diagnostics --------------------------------------------------------------------------------
+def _owner(key: str, paths: list[str]) -> str | None:
+    """The deepest replaced module path that ``key`` (a parameter or checkpoint key) lies under."""
+    best = None
+    for path in paths:
+        if path and key.startswith(path + ".") and (best is None or len(path) > len(best)):
+            best = path
+    return best
+
+
+def _nearest_pretrained(model: torch.nn.Module, path: str) -> torch.nn.Module:
+    """The closest ancestor of ``path`` that has ``_init_weights`` (the sub-model that would init it)."""
+    parts = path.split(".")
+    for i in range(len(parts), -1, -1):
+        module = model.get_submodule(".".join(parts[:i]))
+        if hasattr(module, "_init_weights"):
+            return module
+    return model
+
+
+def _init_fills(model: torch.nn.Module, param_name: str) -> bool:
+    """Whether the model's weight init writes ``param_name`` (probed on a NaN-filled copy of its owner)."""
+    owner_path, _, leaf = param_name.rpartition(".")
+    owner = model.get_submodule(owner_path)
+    param = owner._parameters.get(leaf)
+    if param is None or not param.is_floating_point() or param.device.type == "meta":
+        return True  # buffers, integer or offloaded tensors: nothing we can probe honestly
+    probe = copy.deepcopy(owner)
+    with torch.no_grad():
+        for tensor in probe.parameters(recurse=False):
+            tensor.fill_(float("nan"))
+            tensor.__dict__.pop("_is_hf_initialized", None)
+        probe.__dict__.pop("_is_hf_initialized", None)
+        try:
+            _nearest_pretrained(model, owner_path)._init_weights(probe)
+        except Exception:  # an init that cannot handle the module does not fill it either
+            return False
+    return not bool(torch.isnan(probe._parameters[leaf]).all())
+
+
+def _short(qualified: str) -> str:
+    return " | ".join(name.rpartition(".")[2] for name in qualified.split(" | "))
+
+
+def diagnose_load(
+    model: torch.nn.Module,
+    rep: GraftReport,
+    loading_info: dict | None,
+    scoped_keys: tuple[str, ...] = (),
+) -> None:
+    """Fill ``rep`` with what the replacements broke in this load.
+
+    ``rep.replaced`` and ``rep.unmatched_keys`` must be filled already. With ``loading_info``
+    (``from_pretrained``'s ``missing_keys``/``unexpected_keys``): checkpoint keys under a replaced
+    module that the replacement could not take (the BERT ``.*Attention`` trap), parameters of
+    replaced modules missing from the checkpoint, split into randomly initialised ones (a problem)
+    and ones neither the checkpoint nor the weight init fills (``unloaded_parameters``).
+    ``scoped_keys`` (keys of a ``patched`` block, meant for this load) that matched nothing are
+    problems too.
+    """
+    for key in scoped_keys:
+        if key in rep.unmatched_keys:
+            rep.problems.append(
+                f"Scoped patch key `{key}` matched no module of `{rep.model_class}`. Check the class name "
+                "(`modelgraft explain <ClassName>`) or drop the key."
+            )
+    if not loading_info or not rep.replaced:
+        return
+    by_path = {r.path: r for r in rep.replaced}
+    paths = list(by_path)
+
+    dropped: dict[str, list[str]] = {}
+    for key in loading_info.get("unexpected_keys", ()):
+        path = _owner(key, paths)
+        if path is not None:
+            dropped.setdefault(path, []).append(key)
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for path, keys in sorted(dropped.items()):
+        rep.dropped_checkpoint_keys[path] = sorted(keys)
+        r = by_path[path]
+        groups.setdefault((r.original, r.replacement, r.key), []).append(path)
+    for (original, replacement, key), group in groups.items():
+        children = sorted({k[len(p) + 1 :].split(".")[0] for p in group for k in dropped[p]})
+        count = sum(len(dropped[p]) for p in group)
+        rep.problems.append(
+            f"`{_short(original)}` was replaced by `{_short(replacement)}` (key `{key}`) at {len(group)} "
+            f"path(s) (first `{group[0]}`), which has no place for the checkpoint's `{'`, `'.join(children)}`: "
+            f"{count} checkpoint key(s) could not be loaded (see `dropped_checkpoint_keys`). Use a narrower key "
+            "(e.g. `.*SelfAttention$` or an exact class name), or register a conversion."
+        )
+
+    random_init = []
+    for name in sorted(loading_info.get("missing_keys", ())):
+        if _owner(name, paths) is None:
+            continue
+        if _init_fills(model, name):
+            random_init.append(name)
+        else:
+            rep.unloaded_parameters.append(name)
+    if random_init:
+        rep.problems.append(
+            f"{len(random_init)} parameter(s) of replaced modules are not in the checkpoint and were randomly "
+            f"initialised: `{'`, `'.join(random_init[:6])}`{' ...' if len(random_init) > 6 else ''}. Register a "
+            "conversion that produces them, or keep the original parameter names."
+        )
+    if rep.unloaded_parameters:
+        rep.problems.append(
+            f"{len(rep.unloaded_parameters)} parameter(s) were filled neither from the checkpoint nor by the "
+            f"weight init and hold uninitialised memory: `{'`, `'.join(rep.unloaded_parameters[:6])}`. "
+            "Initialise them in the replacement (an `_init_weights`-friendly submodule such as `nn.Linear`), "
+            "or load them from the checkpoint through a conversion."
+        )
+
+
+def strict_requested() -> bool:
+    """Whether ``MODELGRAFT_STRICT`` asks for strict mode (``1``, ``true``, ``yes``).
+
+    Example:
+        >>> import os
+        >>> os.environ.pop("MODELGRAFT_STRICT", None) and None
+        >>> strict_requested()
+        False
+    """
+    return os.environ.get("MODELGRAFT_STRICT", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def check_strict(model: torch.nn.Module) -> None:
+    """Raise :class:`StrictModeError` when the report of ``model`` lists a problem.
+
+    Example:
+        >>> import torch
+        >>> check_strict(torch.nn.Linear(2, 2))  # no report, nothing to reject
+    """
+    rep = _report_for(model, create=False)
+    if rep is None or rep.ok:
+        return
+    details = list(rep.problems)
+    if rep.unloaded_parameters and not any("uninitialised" in p for p in details):
+        details.append(f"uninitialised parameters: {rep.unloaded_parameters}")
+    if rep.dropped_checkpoint_keys and not details:
+        details.append(f"dropped checkpoint keys: {rep.dropped_checkpoint_keys}")
+    raise StrictModeError(
+        f"Strict mode: loading `{rep.model_class}` found {len(details)} problem(s):\n- "
+        + "\n- ".join(details)
+        + "\nFix them, or load without `strict=True` / `MODELGRAFT_STRICT=1` and inspect `modelgraft.report(model)`."
+    )

@@ -177,6 +177,7 @@ class Swap:
         self.snap = snap
         self._extra: dict[str, ModuleType] = {}
         self._applied: list[_Applied] = []
+        self._applied_log: list[_Applied] = []  # kept after restore, for reports
         self._covered: set[str] = set()
         self._depth = 0
         self._start: tuple[int, object] = (0, None)
@@ -216,6 +217,10 @@ class Swap:
         if self._depth == 0 and self.snap:
             self._restore()
 
+    def replacements(self) -> dict[type, type]:
+        """``{original class: replacement}`` for every binding this swap changed."""
+        return {original: replacement for _m, _a, original, replacement, _k in self._applied_log}
+
     # ---- internals ------------------------------------------------------------------------------
     def _apply(self) -> None:
         modules = in_scope_modules()
@@ -235,6 +240,7 @@ class Swap:
                     continue
                 setattr(module, attr, replacement)
                 self._applied.append((module, attr, current, replacement, key))
+                self._applied_log.append(self._applied[-1])
                 original = f"{current.__module__}.{current.__qualname__}"
                 self.replaced_by.setdefault(replacement, {})[original] = key
 

@@ -1,0 +1,250 @@
+"""Apply patches automatically when transformers builds a model, and the context managers users call.
+
+:func:`install` (run by ``import modelgraft``; idempotent; undone by :func:`uninstall`):
+
+* wraps ``PreTrainedModel.from_pretrained`` and ``PreTrainedModel._from_config`` (which
+  ``AutoModel*.from_pretrained``/``from_config`` and composite models go through). Each load
+  holds :data:`modelgraft.swap.LOCK` from start to end, *also when no patch is active*, so a
+  plain load never observes another thread's swap. The load takes one snapshot of the registry
+  and plans the swap once; a nested load (a sub-model built inside the outer one) joins it.
+* makes the construction step of those loads (transformers' ``apply_patches()`` call sites) bind
+  the replacements, so the swap is live while modules are constructed and not while weights are
+  loaded and initialised. transformers' own ``apply_patches`` still runs inside.
+* after the load: per-instance output recorders, the graft report, then strict mode.
+
+Example:
+    >>> from modelgraft import hooks
+    >>> hooks.install(); hooks.installed()
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+
+from modelgraft import recorders, registry, swap
+from modelgraft.registry import Snapshot
+from modelgraft.report import _report_for, check_strict, diagnose_load, strict_requested
+
+__all__ = ["apply_patches", "install", "installed", "patched", "uninstall"]
+
+_MARK = "__modelgraft_hook__"
+
+
+class _Load:
+    """State of one top-level load: its snapshot and the swap shared by nested loads."""
+
+    __slots__ = ("scoped_keys", "snap", "swap")
+
+    def __init__(self, cls: type, snap: Snapshot) -> None:
+        self.snap = snap
+        self.swap = swap.Swap(snap, (cls,))
+        self.scoped_keys = tuple(k for k, src in snap.sources.items() if src == "scoped")
+
+
+_active_load: ContextVar[_Load | None] = ContextVar("modelgraft_active_load", default=None)
+_strict: ContextVar[bool] = ContextVar("modelgraft_strict", default=False)
+_originals: dict[str, Any] = {}
+
+
+# ---- public context managers --------------------------------------------------------------------
+@contextmanager
+def apply_patches() -> Iterator[Snapshot]:
+    """Build models manually (``Model(config)``) from the registered replacements inside the block.
+
+    Holds the construction lock for the block (other threads' loads wait), restores every
+    binding on exit, exceptions included; blocks nest. Yields the snapshot in effect.
+
+    Example:
+        >>> from transformers.models.llama import modeling_llama
+        >>> from modelgraft import patched
+        >>> class MyMLP(modeling_llama.LlamaMLP):
+        ...     pass
+        >>> with patched({"LlamaMLP": MyMLP}), apply_patches():
+        ...     modeling_llama.LlamaMLP is MyMLP
+        True
+        >>> modeling_llama.LlamaMLP is MyMLP
+        False
+    """
+    snap = registry.snapshot()
+    with swap.LOCK, swap.Swap(snap):
+        yield snap
+
+
+@contextmanager
+def patched(
+    mapping: Mapping[str, type[torch.nn.Module]],
+    conversions: Mapping[str, list] | None = None,
+    strict: bool = False,
+) -> Iterator[Snapshot]:
+    """Use ``mapping`` (and ``conversions``) for loads in this thread/task, inside the block only.
+
+    Nothing global changes: other threads and tasks keep seeing the global registry. Scoped keys
+    hide global keys with the same name and scoped patterns are tried before global ones; exact
+    keys still win over patterns. With ``strict=True`` a load inside the block raises
+    :class:`~modelgraft.StrictModeError` instead of returning a model with problems (and a scoped
+    key that matched nothing is a problem).
+
+    Args:
+        mapping: class names or patterns to replacement classes, as for ``register_patch_mapping``.
+        conversions: ``{model_type_or_class_name: [WeightConverter | WeightRenaming, ...]}``.
+        strict: raise on problems found while loading.
+
+    Example:
+        >>> import torch
+        >>> from modelgraft import get_patch_mapping
+        >>> with patched({"LlamaMLP": torch.nn.Identity}):
+        ...     list(get_patch_mapping())
+        ['LlamaMLP']
+        >>> get_patch_mapping()
+        {}
+    """
+    scoped_conversions = _scoped_conversions(conversions)
+    token = _strict.set(strict or _strict.get())
+    try:
+        with registry.scoped(mapping) as snap, scoped_conversions:
+            yield snap
+    finally:
+        _strict.reset(token)
+
+
+def _scoped_conversions(conversions: Mapping[str, list] | None) -> Any:
+    if conversions is None:
+        return _nullcontext()
+    rules = importlib.import_module("modelgraft.conversion.rules")
+    return rules.scoped_conversions(conversions)
+
+
+@contextmanager
+def _nullcontext() -> Iterator[None]:
+    yield
+
+
+# ---- the wrapped loaders ------------------------------------------------------------------------
+def _run_load(cls: type, call: Callable[[bool], Any], wants_info: bool) -> Any:
+    """Run one load (``call(output_loading_info)``) under the current patches; see the module doc."""
+    outer = _active_load.get()
+    if outer is not None:  # a sub-model of a load in progress: join its swap, scan nothing new
+        outer.swap.add_class(cls)
+        return call(wants_info)
+    snap = registry.snapshot()
+    with swap.LOCK:
+        if not snap:
+            result = call(wants_info)
+            load = None
+        else:
+            load = _Load(cls, snap)
+            token = _active_load.set(load)
+            try:
+                result = call(True)
+            finally:
+                _active_load.reset(token)
+    model, info = result if (load is not None or wants_info) and isinstance(result, tuple) else (result, None)
+    if load is not None and isinstance(model, torch.nn.Module):
+        _after_load(model, load, info if isinstance(info, dict) else None)
+    if isinstance(model, torch.nn.Module) and (_strict.get() or strict_requested()):
+        check_strict(model)
+    return (model, info) if wants_info else model
+
+
+def _after_load(model: torch.nn.Module, load: _Load, info: dict | None) -> None:
+    replaced = swap.replaced_modules(model, load.swap)
+    recorders.patch_output_recorders(model, replacements=load.swap.replacements())
+    rep = _report_for(model)
+    rep.replaced.extend(replaced)
+    used = {key for r in replaced for key in r.key.split(" | ")}
+    rep.unmatched_keys.extend(k for k in load.snap.mapping if k not in used)
+    diagnose_load(model, rep, info, load.scoped_keys)
+
+
+def _wrap_from_pretrained(original: Callable[..., Any]) -> classmethod:
+    @functools.wraps(original)
+    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
+        wants_info = bool(kwargs.pop("output_loading_info", False))
+        return _run_load(
+            cls, lambda info: original(cls, *args, output_loading_info=info, **kwargs), wants_info
+        )
+
+    setattr(from_pretrained, _MARK, original)
+    return classmethod(from_pretrained)
+
+
+def _wrap_from_config(original: Callable[..., Any]) -> classmethod:
+    @functools.wraps(original)
+    def _from_config(cls: type, config: Any, **kwargs: Any) -> Any:
+        return _run_load(cls, lambda _info: original(cls, config, **kwargs), False)
+
+    setattr(_from_config, _MARK, original)
+    return classmethod(_from_config)
+
+
+@contextmanager
+def _construction_step(*args: Any, **kwargs: Any) -> Iterator[None]:
+    """Stands in for transformers' ``apply_patches()`` at its construction call sites."""
+    builtin = _originals["apply_patches"]
+    load = _active_load.get()
+    with swap.LOCK:
+        active = load.swap if load is not None else swap.Swap(registry.snapshot())
+        with active, builtin(*args, **kwargs):
+            yield
+
+
+# ---- transformers-version-specific part: what gets wrapped --------------------------------------
+def _targets() -> tuple[type, Any]:
+    """``(PreTrainedModel, module whose global apply_patches the construction step calls)``."""
+    from transformers import modeling_utils
+
+    return modeling_utils.PreTrainedModel, modeling_utils
+
+
+def installed() -> bool:
+    """Whether the load hooks are in place."""
+    base, _ = _targets()
+    return hasattr(base.__dict__["from_pretrained"].__func__, _MARK)
+
+
+def install() -> None:
+    """Install the load hooks and the per-instance recorder lookup (idempotent)."""
+    base, module = _targets()
+    if not installed():
+        _originals["from_pretrained"] = base.__dict__["from_pretrained"].__func__
+        _originals["_from_config"] = base.__dict__["_from_config"].__func__
+        base.from_pretrained = _wrap_from_pretrained(_originals["from_pretrained"])
+        base._from_config = _wrap_from_config(_originals["_from_config"])
+        if getattr(module, "apply_patches", None) is not None:
+            _originals["apply_patches"] = module.apply_patches
+            module.apply_patches = _construction_step
+    recorders.install_instance_lookup()
+    conversion = _conversion_package()
+    if conversion is not None:
+        conversion.install()
+
+
+def uninstall() -> None:
+    """Remove everything :func:`install` added (idempotent)."""
+    base, module = _targets()
+    if installed():
+        base.from_pretrained = classmethod(_originals.pop("from_pretrained"))
+        base._from_config = classmethod(_originals.pop("_from_config"))
+        if "apply_patches" in _originals:
+            module.apply_patches = _originals.pop("apply_patches")
+    recorders.uninstall_instance_lookup()
+    conversion = _conversion_package()
+    if conversion is not None:
+        conversion.uninstall()
+
+
+def _conversion_package() -> Any:
+    try:
+        return importlib.import_module("modelgraft.conversion")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("modelgraft.conversion",):
+            raise
+        return None
