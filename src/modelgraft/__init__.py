@@ -7,6 +7,20 @@ Importing modelgraft installs its load hooks into transformers (idempotent; see
 from __future__ import annotations
 
 from modelgraft import _compat  # noqa: F401  (fails early on an unsupported transformers)
+from modelgraft.conversion import (
+    Chunk,
+    Concatenate,
+    ConversionContext,
+    ConversionOperation,
+    MergeModulelist,
+    SplitModulelist,
+    Transpose,
+    WeightConverter,
+    WeightRenaming,
+    get_checkpoint_conversion_mapping,
+    register_checkpoint_conversion_mapping,
+    unregister_checkpoint_conversion_mapping,
+)
 from modelgraft.errors import (
     ConversionError,
     ConversionShapeError,
@@ -33,25 +47,37 @@ __version__ = "0.1.0"
 
 # Each area appends its public names in its own block below; keep __all__ sorted at the end.
 __all__ = [
+    "Chunk",
+    "Concatenate",
+    "ConversionContext",
     "ConversionError",
+    "ConversionOperation",
     "ConversionShapeError",
     "GraftError",
     "GraftReport",
     "IrreversibleConversionError",
+    "MergeModulelist",
     "MissingSourceKeyError",
     "PatchRegistrationError",
     "ReplacementTypeError",
     "RoutingError",
+    "SplitModulelist",
     "StrictModeError",
+    "Transpose",
     "UnsupportedTransformersError",
+    "WeightConverter",
+    "WeightRenaming",
     "__version__",
     "apply_patches",
     "clear_patch_mapping",
+    "get_checkpoint_conversion_mapping",
     "get_patch_mapping",
     "patch_output_recorders",
     "patched",
+    "register_checkpoint_conversion_mapping",
     "register_patch_mapping",
     "report",
+    "unregister_checkpoint_conversion_mapping",
     "unregister_patch_mapping",
 ]
 
