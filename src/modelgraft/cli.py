@@ -1,0 +1,337 @@
+"""The ``modelgraft`` command line: ``inspect``, ``explain`` and ``verify``.
+
+Every command takes ``--json`` (one JSON document on stdout). Exit codes: 0 success, 1 a
+check failed, 2 the command could not run (bad target, bad key, import error).
+
+Example:
+    >>> from modelgraft.cli import main
+    >>> main(["explain", "MT5Attention", "--key", "T5Attention"])
+    `MT5Attention` is not replaced: no registered or given key matches it.
+    KEY          KIND   SOURCE  MATCHES  WHY
+    T5Attention  exact  given   no       exact name differs
+    Rules: exact class names win over patterns; among patterns the first registered wins.
+    0
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from modelgraft._target import TargetError, import_object, model_class_for, resolve_config
+from modelgraft.errors import GraftError
+
+__all__ = ["main"]
+
+_MAX_PARAMS_SHOWN = 16
+
+
+class _GivenKey(torch.nn.Module):
+    """Placeholder replacement for keys given with ``--key`` (they are only matched, never applied)."""
+
+
+_GIVEN = f"{_GivenKey.__module__}.{_GivenKey.__qualname__}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        overlay = args.command != "verify"  # verify builds its own plain and grafted models
+        with _extra_keys(args.key or [] if overlay else [], args.graft or [] if overlay else []):
+            return int(args.run(args))
+    except (GraftError, OSError, ValueError, TypeError) as exc:
+        if args.json:
+            print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+        else:
+            print(f"modelgraft {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="modelgraft",
+        description="Inspect architectures, explain patch keys, verify grafts of transformers models.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def common(p: argparse.ArgumentParser, grafts: bool = True) -> None:
+        p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+        if grafts:
+            p.add_argument(
+                "--key",
+                action="append",
+                metavar="KEY",
+                help="a patch key (exact class name or regex) to consider besides the registered ones",
+            )
+        p.add_argument(
+            "--import",
+            dest="imports",
+            action="append",
+            metavar="MODULE",
+            default=[],
+            help="import MODULE first (for modules that register patches when imported)",
+        )
+        if grafts:
+            p.add_argument(
+                "--graft",
+                action="append",
+                metavar="PKG.MODULE:NAME",
+                help="a graft bundle (with `.mapping`), or a mapping dict, whose keys to consider",
+            )
+
+    p_inspect = sub.add_parser("inspect", help="module classes of an architecture and the keys matching them")
+    p_inspect.add_argument("target", metavar="MODEL_TYPE_OR_PATH")
+    common(p_inspect)
+    p_inspect.set_defaults(run=_cmd_inspect)
+
+    p_explain = sub.add_parser("explain", help="which key replaces a class, and why")
+    p_explain.add_argument("class_name", metavar="CLASS_NAME")
+    common(p_explain)
+    p_explain.set_defaults(run=_cmd_explain)
+
+    p_verify = sub.add_parser("verify", help="check that a graft keeps outputs and checkpoints unchanged")
+    p_verify.add_argument("target", metavar="MODEL_TYPE_OR_PATH")
+    common(p_verify, grafts=False)
+    p_verify.add_argument(
+        "--graft", action="append", metavar="PKG.MODULE:NAME", help="graft bundle(s) to verify"
+    )
+    p_verify.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5)")
+    p_verify.add_argument("--seed", type=int, default=0, help="seed for the tiny checkpoint and inputs")
+    p_verify.set_defaults(run=_cmd_verify, key=None)
+    return parser
+
+
+# -- keys ---------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _extra_keys(keys: list[str], grafts: list[str]) -> Iterator[None]:
+    """Overlay ``--key`` placeholders (and ``--graft`` mappings) on the registry for this command."""
+    from modelgraft import registry
+
+    mapping: dict[str, type[torch.nn.Module]] = {}
+    for ref in grafts:
+        mapping.update(_graft_mapping(import_object(ref), ref))
+    for key in keys:
+        mapping.setdefault(key, _GivenKey)
+    if not mapping:
+        yield
+        return
+    # Only matching is needed here (nothing is built with these keys), so the bare registry overlay
+    # is enough; it is validated like a registration (a bad regex is reported with exit code 2).
+    with registry.scoped(mapping):
+        yield
+
+
+def _graft_mapping(obj: object, ref: str) -> dict[str, type[torch.nn.Module]]:
+    mapping = getattr(obj, "mapping", obj)
+    if not isinstance(mapping, dict):
+        raise TargetError(
+            f"`{ref}` is a `{type(obj).__name__}`; expected a graft bundle with a `.mapping` dict "
+            "or a mapping dict of key -> nn.Module subclass."
+        )
+    return mapping
+
+
+def _key_candidates(class_name: str) -> dict[str, Any]:
+    """Which keys match ``class_name``, which one wins and why, as plain data."""
+    from modelgraft import registry
+
+    explanation = registry.explain(class_name, registry.snapshot())
+    winner = None
+    if explanation.winner is not None and explanation.replacement is not None:
+        winner = {"key": explanation.winner, "replacement": _qualname(explanation.replacement)}
+    return {
+        "winner": winner,
+        "matching_keys": [c.key for c in explanation.candidates if c.matches],
+        "candidates": [
+            {
+                "key": c.key,
+                "kind": c.kind,
+                "source": "given" if c.replacement == _GIVEN else c.source,
+                "matches": c.matches,
+                "reason": c.reason,
+            }
+            for c in explanation.candidates
+        ],
+    }
+
+
+def _qualname(cls: type) -> str:
+    if cls is _GivenKey:
+        return "(given with --key)"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+# -- inspect ------------------------------------------------------------------------------------
+
+
+def inspect_architecture(target: str) -> dict[str, Any]:
+    """Build ``target`` on the meta device and describe its module classes and matching keys.
+
+    Example:
+        >>> info = inspect_architecture("llama")
+        >>> [c["count"] for c in info["classes"] if c["class"] == "LlamaDecoderLayer"]
+        [32]
+    """
+    from modelgraft import registry
+
+    start = time.perf_counter()
+    config, _ = resolve_config(target)
+    model_cls = model_class_for(config)
+    # Meta tensors have shapes but no storage, so even a 70B config builds in a fraction of a second;
+    # a plain constructor call (not from_config) keeps registered patches out of what we describe.
+    with torch.device("meta"):
+        model = model_cls(config)
+    classes: dict[type, dict[str, Any]] = {}
+    for path, module in model.named_modules():
+        entry = classes.get(type(module))
+        if entry is None:
+            entry = classes[type(module)] = _describe_class(type(module), module)
+        entry["count"] += 1
+        if len(entry["examples"]) < 3:
+            entry["examples"].append(path or "(root)")
+    used: set[str] = set()
+    for entry in classes.values():
+        used.update(entry["matching_keys"])
+    all_keys = list(registry.snapshot().mapping)
+    return {
+        "target": str(target),
+        "config_class": type(config).__name__,
+        "model_class": model_cls.__name__,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "classes": list(classes.values()),
+        "keys_matching_nothing": [k for k in all_keys if k not in used],
+        "seconds": round(time.perf_counter() - start, 4),
+    }
+
+
+def _describe_class(cls: type, example: torch.nn.Module) -> dict[str, Any]:
+    # Classes from torch itself are outside the patch scope: say so instead of listing keys that
+    # would never be applied to them.
+    patchable = not cls.__module__.startswith("torch.")
+    # Containers (a whole decoder stack) would list thousands of tensors; their own direct
+    # parameters plus a count say more.
+    shapes: dict[str, list[int]] = {}
+    for name, p in example.named_parameters():
+        if len(shapes) == _MAX_PARAMS_SHOWN:
+            shapes = {n: list(q.shape) for n, q in example.named_parameters(recurse=False)}
+            break
+        shapes[name] = list(p.shape)
+    info: dict[str, Any] = {
+        "class": cls.__name__,
+        "module": cls.__module__,
+        "count": 0,
+        "examples": [],
+        "parameters": shapes,
+        "patchable": patchable,
+        "matching_keys": [],
+        "winner": None,
+    }
+    if patchable:
+        keys = _key_candidates(cls.__name__)
+        info.update(matching_keys=keys["matching_keys"], winner=keys["winner"])
+    return info
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    _run_imports(args.imports)
+    info = inspect_architecture(args.target)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(
+        f"{info['target']}: {info['model_class']} ({info['config_class']}), "
+        f"{info['num_parameters']:,} parameters, built on meta in {info['seconds']:.3f} s"
+    )
+    rows = [("CLASS", "COUNT", "EXAMPLE", "PARAMETERS", "KEYS")]
+    for c in info["classes"]:
+        params = ", ".join(f"{n}{tuple(s)}" for n, s in list(c["parameters"].items())[:2])
+        if len(c["parameters"]) > 2:
+            params += f", ... ({len(c['parameters'])} total)"
+        keys = _keys_cell(c)
+        rows.append((c["class"], str(c["count"]), c["examples"][0], params or "-", keys))
+    _print_table(rows)
+    if info["keys_matching_nothing"]:
+        print("keys matching no class here: " + ", ".join(f"`{k}`" for k in info["keys_matching_nothing"]))
+    return 0
+
+
+def _keys_cell(c: dict[str, Any]) -> str:
+    if not c["patchable"]:
+        return "(torch class, not patched)"
+    if not c["matching_keys"]:
+        return "-"
+    winner = c["winner"]["key"] if c["winner"] else None
+    return ", ".join(f"{k} (wins)" if k == winner else k for k in c["matching_keys"])
+
+
+# -- explain ------------------------------------------------------------------------------------
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    _run_imports(args.imports)
+    info = {"class": args.class_name, **_key_candidates(args.class_name)}
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    winner = info["winner"]
+    if winner is None:
+        print(f"`{args.class_name}` is not replaced: no registered or given key matches it.")
+    else:
+        by = "" if winner["replacement"] == _qualname(_GivenKey) else f" by {winner['replacement']}"
+        print(f"`{args.class_name}` is replaced{by}: key `{winner['key']}` wins.")
+    if not info["candidates"]:
+        print("No keys are registered; pass some with --key, --graft or --import.")
+        return 0
+    rows = [("KEY", "KIND", "SOURCE", "MATCHES", "WHY")]
+    for c in info["candidates"]:
+        rows.append((c["key"], c["kind"], c["source"], "yes" if c["matches"] else "no", c["reason"]))
+    _print_table(rows)
+    print("Rules: exact class names win over patterns; among patterns the first registered wins.")
+    return 0
+
+
+# -- verify -------------------------------------------------------------------------------------
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from modelgraft.verify import verify
+
+    _run_imports(args.imports)
+    bundles = [import_object(ref) for ref in args.graft or ()]
+    result = verify(args.target, graft=bundles or None, atol=args.atol, seed=args.seed)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.format_table())
+    return 0 if result.passed else 1
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _run_imports(modules: list[str]) -> None:
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise TargetError(f"Could not import `{name}` (from --import): {exc}.") from exc
+
+
+def _print_table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        cells = [cell.ljust(w) for cell, w in zip(row[:-1], widths)]
+        print("  ".join([*cells, row[-1]]).rstrip())
