@@ -1,0 +1,328 @@
+"""The :class:`Graft` bundle (patch mapping plus checkpoint conversions) and what grafts share.
+
+A graft is built for a set of model types. For each, it finds the classes to replace by building
+the model on the ``meta`` device from :func:`modelgraft.testing.tiny_config` (no memory, no
+weights) and looking at its modules, so no family is hand-written; the result is cached.
+
+Example:
+    >>> from modelgraft.grafts import fused_qkv
+    >>> graft = fused_qkv("llama")
+    >>> sorted(graft.mapping)
+    ['LlamaAttention']
+    >>> graft.conversions["llama"]
+    [WeightConverter(['self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj'] -> ['self_attn.qkv_proj'], [Concatenate(dim=0)])]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from modelgraft.errors import GraftError
+
+if TYPE_CHECKING:
+    from modelgraft.conversion import WeightConverter
+
+__all__ = ["Graft", "GraftConflictError", "UnsupportedFamilyError", "build_grafted", "graft_built_model"]
+
+
+class UnsupportedFamilyError(GraftError, ValueError):
+    """A graft was asked for a model type it cannot handle."""
+
+
+class GraftConflictError(GraftError, ValueError):
+    """Two grafts replace the same class with different replacements."""
+
+
+@dataclass(frozen=True)
+class _Part:
+    """What one graft contributes for one model type."""
+
+    mapping: dict[str, type[nn.Module]]
+    converters: tuple[Any, ...] = ()
+    # Drop transformers' own conversions that merge per-expert weights into 3D tensors.
+    drop_expert_merges: bool = False
+
+
+@dataclass(frozen=True)
+class Graft:
+    """A ready-made graft: which classes to replace, and how checkpoints convert, per model type.
+
+    Use it globally (:meth:`register` / :meth:`unregister`) or for one block
+    (:meth:`applied`, or ``modelgraft.patched(graft.mapping, conversions=graft.conversions)``).
+    Grafts add up: ``fused_qkv() + linear_experts()`` replaces both and merges the conversions.
+
+    Attributes:
+        name: a short description, for reports and ``repr``.
+        model_types: the model types this graft was built for.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    _parts: tuple[tuple[str, Callable[[], _Part]], ...] = field(repr=False)
+
+    @functools.cached_property
+    def _resolved(self) -> dict[str, list[_Part]]:
+        resolved: dict[str, list[_Part]] = {}
+        for model_type, make in self._parts:
+            resolved.setdefault(model_type, []).append(make())
+        return resolved
+
+    @property
+    def mapping(self) -> dict[str, type[nn.Module]]:
+        """Exact original class name -> replacement class, for ``register_patch_mapping``."""
+        merged: dict[str, type[nn.Module]] = {}
+        for parts in self._resolved.values():
+            for part in parts:
+                for key, cls in part.mapping.items():
+                    if merged.get(key, cls) is not cls:
+                        raise GraftConflictError(
+                            f"`{key}` is replaced by both `{merged[key].__qualname__}` and `{cls.__qualname__}`; "
+                            "expected one replacement per class. Combine grafts that touch different classes."
+                        )
+                    merged[key] = cls
+        return merged
+
+    @property
+    def conversions(self) -> dict[str, list[WeightConverter]]:
+        """``model_type`` -> the whole conversion mapping to use for it (built-ins folded in)."""
+        out: dict[str, list[WeightConverter]] = {}
+        for model_type, parts in self._resolved.items():
+            drop = any(p.drop_expert_merges for p in parts)
+            converters = [c for p in parts for c in p.converters]
+            builtin = [c for c in _builtin_conversions(model_type) if not (drop and _merges_experts(c))]
+            out[model_type] = builtin + converters
+        return out
+
+    def __add__(self, other: Graft) -> Graft:
+        if not isinstance(other, Graft):
+            return NotImplemented
+        types = self.model_types + tuple(t for t in other.model_types if t not in self.model_types)
+        combined = Graft(f"{self.name} + {other.name}", types, self._parts + other._parts)
+        combined.mapping  # noqa: B018  (fail now, not at load time, on conflicting replacements)
+        return combined
+
+    def register(self, overwrite: bool = False) -> None:
+        """Register the mapping and the conversions globally (all or nothing).
+
+        Args:
+            overwrite: replace patch keys and conversion entries already registered in modelgraft.
+                transformers' own conversions for these model types are always replaced (the
+                graft's conversions already contain what it still needs of them).
+
+        Raises:
+            PatchRegistrationError: a class is already patched and ``overwrite`` is false.
+            ConversionError: a model type already has a modelgraft conversion and ``overwrite``
+                is false.
+        """
+        import modelgraft
+        from modelgraft.conversion import (
+            get_checkpoint_conversion_mapping,
+            register_checkpoint_conversion_mapping,
+            unregister_checkpoint_conversion_mapping,
+        )
+        from modelgraft.errors import ConversionError
+
+        conversions = self.conversions
+        if not overwrite:
+            taken = [t for t in conversions if get_checkpoint_conversion_mapping(t) is not None]
+            if taken:
+                raise ConversionError(
+                    f"Cannot register graft `{self.name}`: modelgraft already has conversions for "
+                    f"{', '.join(f'`{t}`' for t in taken)}. Unregister them or pass `overwrite=True`."
+                )
+        previous = {t: get_checkpoint_conversion_mapping(t) for t in conversions}
+        modelgraft.register_patch_mapping(self.mapping, overwrite=overwrite)
+        done: list[str] = []
+        try:
+            for model_type, converters in conversions.items():
+                register_checkpoint_conversion_mapping(model_type, converters, overwrite=True)
+                done.append(model_type)
+        except BaseException:
+            for model_type in done:
+                unregister_checkpoint_conversion_mapping(model_type)
+                if previous[model_type] is not None:
+                    register_checkpoint_conversion_mapping(model_type, previous[model_type], overwrite=True)
+            modelgraft.unregister_patch_mapping(list(self.mapping))
+            raise
+
+    def unregister(self) -> None:
+        """Remove what :meth:`register` added (the patch keys and the conversion entries)."""
+        import modelgraft
+        from modelgraft.conversion import unregister_checkpoint_conversion_mapping
+
+        modelgraft.unregister_patch_mapping(list(self.mapping))
+        unregister_checkpoint_conversion_mapping(list(self.conversions))
+
+    @contextlib.contextmanager
+    def applied(self, strict: bool = False) -> Iterator[Graft]:
+        """Apply the graft in this thread or task for the ``with`` block only.
+
+        Same as ``modelgraft.patched(graft.mapping, conversions=graft.conversions, strict=strict)``.
+        """
+        import modelgraft
+
+        with modelgraft.patched(self.mapping, conversions=self.conversions, strict=strict):
+            yield self
+
+
+# --- discovery ------------------------------------------------------------------------------
+
+_META_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=None)
+def meta_model(model_type: str) -> nn.Module:
+    """The base model of ``model_type`` built on the meta device from its tiny config (cached)."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    from modelgraft.testing import tiny_config
+
+    config = tiny_config(model_type)
+    try:
+        model_class = MODEL_MAPPING[type(config)]
+    except KeyError:
+        raise UnsupportedFamilyError(
+            f"`{model_type}` has no base model class in transformers' `MODEL_MAPPING`; "
+            "grafts support model types that `AutoModel` can build."
+        ) from None
+    with _META_LOCK, torch.device("meta"):
+        return model_class(config)
+
+
+def original_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """The transformers class a (possibly already grafted) class stands for."""
+    return getattr(cls, "_modelgraft_original", cls)
+
+
+def find_modules(
+    model_type: str, accept: Callable[[nn.Module], bool]
+) -> dict[type[nn.Module], set[str]]:
+    """Original classes of the modules ``accept`` selects, with the attribute names they sit under."""
+    found: dict[type[nn.Module], set[str]] = {}
+    for path, module in meta_model(model_type).named_modules():
+        if path and accept(module):
+            found.setdefault(original_class(type(module)), set()).add(path.rsplit(".", 1)[-1])
+    return found
+
+
+# --- transformers' own conversions, in modelgraft terms ----------------------------------------
+
+_PLAIN_PATTERN = re.compile(r"^[A-Za-z0-9_*]+(\.[A-Za-z0-9_*]+)*$")
+
+
+@functools.lru_cache(maxsize=None)
+def _builtin_conversions(model_type: str) -> tuple[Any, ...]:
+    """transformers' own conversions for ``model_type``, rewritten as modelgraft converters.
+
+    A graft's entry replaces the built-in one for its model type, so it must carry what it still
+    needs of it (for example the expert merge of ``qwen2_moe`` when only attention is grafted).
+    """
+    from transformers import conversion_mapping as tcm
+
+    from modelgraft.conversion import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
+
+    entries = tcm.get_checkpoint_conversion_mapping(model_type) or []
+    out: list[Any] = []
+    for entry in entries:
+        sources = [_plain(p, model_type) for p in entry.source_patterns]
+        targets = [_plain(p, model_type) for p in entry.target_patterns]
+        if type(entry).__name__ == "WeightRenaming":
+            out.append(WeightRenaming(sources, targets))
+            continue
+        ops = []
+        for op in entry.operations:
+            name = type(op).__name__
+            if name == "MergeModulelist":
+                ops.append(MergeModulelist(dim=op.dim))
+            elif name == "Concatenate" and getattr(op, "num_shards_attribute", None) is None:
+                ops.append(Concatenate(dim=op.dim))
+            else:
+                raise UnsupportedFamilyError(
+                    f"transformers converts `{model_type}` checkpoints with `{name}`, which grafts cannot "
+                    "carry over; expected only renamings, `MergeModulelist` and `Concatenate`."
+                )
+        out.append(WeightConverter(sources, targets, ops))
+    return tuple(out)
+
+
+def _plain(pattern: str, model_type: str) -> str:
+    text = pattern.strip(".")
+    if not _PLAIN_PATTERN.match(text):
+        raise UnsupportedFamilyError(
+            f"transformers' conversion for `{model_type}` uses the regular expression `{pattern}`; "
+            "grafts only carry over plain dotted patterns."
+        )
+    return text
+
+
+def _merges_experts(converter: Any) -> bool:
+    return any(type(op).__name__ == "MergeModulelist" for op in converter.operations)
+
+
+def builtin_expert_names(model_type: str) -> tuple[str, str, str] | None:
+    """The checkpoint's per-expert linear names (gate, up, down) read off transformers' merges.
+
+    ``qwen2_moe`` gives ``("gate_proj", "up_proj", "down_proj")``, ``mixtral`` ``("w1", "w3", "w2")``.
+    """
+    gate_up: list[str] = []
+    down: list[str] = []
+    for converter in _builtin_conversions(model_type):
+        if not _merges_experts(converter):
+            continue
+        names = []
+        for pattern in converter.source_patterns:
+            segments = pattern.split(".")
+            if "*" not in segments or segments.index("*") + 1 >= len(segments):
+                return None
+            names.append(segments[segments.index("*") + 1])
+        if len(names) == 2:
+            gate_up = names
+        elif len(names) == 1:
+            down = names
+    if len(gate_up) != 2 or len(down) != 1:
+        return None
+    return gate_up[0], gate_up[1], down[0]
+
+
+# --- grafting modules that are already built (tests, benchmarks) -------------------------------
+
+
+def graft_built_model(graft: Graft, model: nn.Module) -> int:
+    """Replace, in place, every module of ``model`` that ``graft`` maps, keeping its weights.
+
+    Each replacement class knows how to take over a built original (``_from_original``).
+
+    Returns:
+        The number of modules replaced.
+    """
+    mapping = graft.mapping
+    replaced = 0
+    for path, module in list(model.named_modules()):
+        replacement = mapping.get(type(module).__name__)
+        if not path or replacement is None or isinstance(module, replacement):
+            continue
+        new = replacement._from_original(module)
+        if new is not module:
+            parent_path, _, name = path.rpartition(".")
+            setattr(model.get_submodule(parent_path), name, new)
+        replaced += 1
+    return replaced
+
+
+def build_grafted(
+    graft: Graft, model_class: type[nn.Module], config: Any, state_dict: dict[str, torch.Tensor]
+) -> nn.Module:
+    """Build ``model_class(config)``, load the original-layout ``state_dict``, then graft it."""
+    model = model_class(config)
+    model.load_state_dict(state_dict)
+    graft_built_model(graft, model)
+    return model

@@ -1,0 +1,243 @@
+"""Fuse sibling ``nn.Linear`` layers of a module into one, leaving the module's forward untouched.
+
+:func:`fuse_linears` replaces, say, ``q_proj``, ``k_proj`` and ``v_proj`` of an attention module by
+light stand-ins (:class:`FusedSlice`) that share ONE ``nn.Linear`` (``qkv_proj``). The first
+stand-in called with a given input runs the fused matmul and splits its output; the others
+return their part of that same result. The family's own forward (rotary embeddings, q/k norms,
+sliding windows, caches) therefore runs unchanged, while the parameters live only in the fused
+layer, so the state dict holds ``qkv_proj.weight`` and no ``q_proj``/``k_proj``/``v_proj``.
+
+Slices along the last dimension of a contiguous output can still be ``.view``-ed into heads, and
+``torch.split`` gives autograd a single backward node that concatenates the gradients, so the
+fused layer is not slower than the separate ones.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> block = nn.Module()
+    >>> block.a, block.b = nn.Linear(4, 3), nn.Linear(4, 2)
+    >>> x = torch.randn(2, 4)
+    >>> expected = torch.cat([block.a(x), block.b(x)], -1)
+    >>> fused = fuse_linears(block, ("a", "b"), "ab")
+    >>> sorted(n for n, _ in block.named_parameters())
+    ['ab.bias', 'ab.weight']
+    >>> torch.allclose(torch.cat([block.a(x), block.b(x)], -1), expected)
+    True
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from modelgraft.errors import GraftError
+
+__all__ = ["FusedSlice", "FusionError", "fuse_linears", "fused_subclass"]
+
+
+class FusionError(GraftError, TypeError):
+    """A module cannot be fused: the layers are missing, not ``nn.Linear``, or disagree."""
+
+
+@dataclass
+class _Cached:
+    """The split output of one fused matmul, valid for exactly one input and weight version."""
+
+    source: torch.Tensor
+    source_version: int
+    weight_version: int
+    grad_enabled: bool
+    parts: tuple[torch.Tensor, ...]
+    pending: set[int]
+
+
+class _FusionGroup:
+    """Shared state of the stand-ins of one fused layer (not an ``nn.Module``: holds no weights).
+
+    It keeps a strong reference to the owning module and looks the fused layer up by name on
+    every call, so a quantizer that swaps ``owner.qkv_proj`` for its own layer is picked up.
+    """
+
+    def __init__(self, owner: nn.Module, fused_name: str, sizes: tuple[int, ...]) -> None:
+        self.owner = owner
+        self.fused_name = fused_name
+        self.sizes = sizes
+        self._local = threading.local()
+
+    def __getstate__(self) -> dict[str, object]:
+        # Cached activations are neither copyable nor worth copying; thread-locals not picklable.
+        return {"owner": self.owner, "fused_name": self.fused_name, "sizes": self.sizes}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
+    def fused(self) -> nn.Module:
+        return getattr(self.owner, self.fused_name)
+
+    def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        fused = self.fused()
+        weight = getattr(fused, "weight", None)
+        weight_version = weight._version if isinstance(weight, torch.Tensor) else -1
+        grad_enabled = torch.is_grad_enabled()
+        cached: _Cached | None = getattr(self._local, "cached", None)
+        if (
+            cached is not None
+            and cached.source is x
+            and index in cached.pending
+            and cached.source_version == x._version
+            and cached.weight_version == weight_version
+            and cached.grad_enabled == grad_enabled
+        ):
+            cached.pending.discard(index)
+            if not cached.pending:
+                self._local.cached = None  # every part handed out: release the activations
+            return cached.parts[index]
+        parts = tuple(fused(x).split(self.sizes, dim=-1))
+        pending = set(range(len(parts))) - {index}
+        self._local.cached = _Cached(x, x._version, weight_version, grad_enabled, parts, pending)
+        return parts[index]
+
+
+class FusedSlice(nn.Module):
+    """Stands in for one of the fused ``nn.Linear`` layers; returns its slice of the fused output.
+
+    It has no parameters of its own. ``weight`` and ``bias`` are read-only views into the fused
+    layer, for code that inspects them (``self.q_proj.weight.dtype``).
+    """
+
+    def __init__(self, group: _FusionGroup, index: int, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self._group = group
+        self._index = index
+        self.in_features = in_features
+        self.out_features = out_features
+
+    def _span(self) -> slice:
+        start = sum(self._group.sizes[: self._index])
+        return slice(start, start + self._group.sizes[self._index])
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._group.fused().weight[self._span()]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        bias = getattr(self._group.fused(), "bias", None)
+        return None if bias is None else bias[self._span()]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._group.part(x, self._index)
+
+    def extra_repr(self) -> str:
+        span = self._span()
+        return f"{self._group.fused_name}[{span.start}:{span.stop}], in_features={self.in_features}"
+
+
+def fuse_linears(module: nn.Module, names: tuple[str, ...], fused_name: str) -> nn.Linear:
+    """Replace the ``nn.Linear`` children ``names`` of ``module`` by one fused layer.
+
+    The fused layer's weight (and bias) is the concatenation, along the output dimension, of the
+    original ones, so the module computes exactly what it computed before. It is registered as
+    ``module.<fused_name>``; each original name now holds a :class:`FusedSlice`.
+
+    Args:
+        module: the module that owns the layers (an attention or an MLP).
+        names: the child names to fuse, in the order of the fused output.
+        fused_name: the attribute name of the fused layer (``"qkv_proj"``).
+
+    Returns:
+        The fused ``nn.Linear``.
+
+    Raises:
+        FusionError: a child is missing or not an ``nn.Linear``, the layers take inputs of
+            different widths, or some have a bias and others not.
+    """
+    owner = type(module).__name__
+    layers = []
+    for name in names:
+        layer = getattr(module, name, None)
+        if type(layer) is not nn.Linear:
+            raise FusionError(
+                f"`{owner}.{name}` must be an `nn.Linear` to be fused into `{fused_name}`; "
+                f"found `{type(layer).__name__}`. Fuse only modules built from plain linear layers."
+            )
+        layers.append(layer)
+    widths = {layer.in_features for layer in layers}
+    if len(widths) != 1:
+        raise FusionError(
+            f"`{owner}`: {', '.join(f'`{n}`' for n in names)} take inputs of different widths "
+            f"{sorted(widths)}; expected one width (they must all read the same hidden states)."
+        )
+    with_bias = [layer.bias is not None for layer in layers]
+    if any(with_bias) and not all(with_bias):
+        raise FusionError(
+            f"`{owner}`: only some of {', '.join(f'`{n}`' for n in names)} have a bias "
+            f"({with_bias}); expected all or none, so that `{fused_name}` has one bias or none."
+        )
+    sizes = tuple(layer.out_features for layer in layers)
+    first = layers[0]
+    fused = nn.Linear(first.in_features, sum(sizes), bias=False, device="meta")
+    # Reuse the already-initialised weights: the fused module computes what the original did,
+    # and no extra random numbers are drawn (or allocated on meta, where from_pretrained builds).
+    fused.weight = nn.Parameter(torch.cat([layer.weight.detach() for layer in layers]))
+    if all(with_bias):
+        fused.bias = nn.Parameter(torch.cat([layer.bias.detach() for layer in layers]))
+    fused.weight.requires_grad_(first.weight.requires_grad)
+    group = _FusionGroup(module, fused_name, sizes)
+    for index, (name, layer) in enumerate(zip(names, layers)):
+        setattr(module, name, FusedSlice(group, index, layer.in_features, layer.out_features))
+    setattr(module, fused_name, fused)
+    return fused
+
+
+_SUBCLASSES: dict[tuple[type, tuple[str, ...], str], type] = {}
+_SUBCLASSES_LOCK = threading.Lock()
+
+
+def fused_subclass(base: type[nn.Module], names: tuple[str, ...], fused_name: str, prefix: str) -> type[nn.Module]:
+    """Return (and cache) a subclass of ``base`` whose ``__init__`` fuses ``names`` into one layer.
+
+    Args:
+        base: the original class (``LlamaAttention``).
+        names: the child layers to fuse.
+        fused_name: the name of the fused layer.
+        prefix: prepended to the class name (``"FusedQKV"`` gives ``FusedQKVLlamaAttention``).
+
+    Returns:
+        The subclass; the same object on every call with the same arguments.
+    """
+    key = (base, names, fused_name)
+    with _SUBCLASSES_LOCK:
+        found = _SUBCLASSES.get(key)
+        if found is not None:
+            return found
+
+        def __init__(self: nn.Module, *args: object, **kwargs: object) -> None:
+            base.__init__(self, *args, **kwargs)
+            fuse_linears(self, names, fused_name)
+
+        def _from_original(cls: type[nn.Module], module: nn.Module) -> nn.Module:
+            # Take over a built original in place: its weights move into the fused layer.
+            module.__class__ = cls
+            fuse_linears(module, names, fused_name)
+            return module
+
+        name = f"{prefix}{base.__name__}"
+        cls = type(
+            name,
+            (base,),
+            {
+                "__init__": __init__,
+                "__doc__": f"`{base.__name__}` with {', '.join(names)} fused into one `{fused_name}`.",
+                "__qualname__": name,
+                "_from_original": classmethod(_from_original),
+                "_modelgraft_original": base,
+                "_modelgraft_fused": (names, fused_name),
+            },
+        )
+        _SUBCLASSES[key] = cls
+        return cls

@@ -1,0 +1,88 @@
+"""Fused gate/up MLP: one ``gate_up_proj`` instead of ``gate_proj`` and ``up_proj``.
+
+For Llama-like MLPs (``down(act(gate(x)) * up(x))``), :func:`fused_gate_up_class` builds a subclass
+whose ``__init__`` runs the original one and then fuses the two projections (see
+:mod:`modelgraft.grafts._fused`), so the family's own forward runs unchanged. Dense MLPs and the
+shared experts of MoE models are covered; per-expert weights of MoE experts are not MLP modules
+and are left alone. The checkpoint conversion is ``Concatenate(dim=0)`` of gate and up.
+
+Example:
+    >>> from transformers.models.llama.modeling_llama import LlamaMLP
+    >>> from modelgraft.testing import tiny_config
+    >>> mlp = fused_gate_up_class(LlamaMLP)(tiny_config("llama"))
+    >>> sorted(name for name, _ in mlp.named_parameters())
+    ['down_proj.weight', 'gate_up_proj.weight']
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+
+from modelgraft.grafts._bundle import Graft, UnsupportedFamilyError, _Part, find_modules
+from modelgraft.grafts._fused import fused_subclass
+
+__all__ = ["FUSED_GATE_UP_FAMILIES", "GATE_UP_NAMES", "fused_gate_up", "fused_gate_up_class"]
+
+GATE_UP_NAMES = ("gate_proj", "up_proj")
+FUSED_NAME = "gate_up_proj"
+
+#: Model types :func:`fused_gate_up` covers by default (each one tested).
+FUSED_GATE_UP_FAMILIES: tuple[str, ...] = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "olmo",
+    "olmo2",
+    "granite",
+    "qwen2_moe",
+    "deepseek_v3",
+)
+
+
+def is_fusable_mlp(module: nn.Module) -> bool:
+    """Whether ``module`` has plain ``gate_proj``/``up_proj`` layers reading one input."""
+    layers = [getattr(module, name, None) for name in GATE_UP_NAMES]
+    if not all(type(layer) is nn.Linear for layer in layers):
+        return False
+    with_bias = {layer.bias is not None for layer in layers}
+    return len({layer.in_features for layer in layers}) == 1 and len(with_bias) == 1
+
+
+def fused_gate_up_class(mlp_class: type[nn.Module]) -> type[nn.Module]:
+    """Return the fused gate/up subclass of ``mlp_class`` (the same class on every call)."""
+    return fused_subclass(mlp_class, GATE_UP_NAMES, FUSED_NAME, "FusedGateUp")
+
+
+def _part(model_type: str) -> _Part:
+    from modelgraft.conversion import Concatenate, WeightConverter
+
+    found = find_modules(model_type, is_fusable_mlp)
+    if not found:
+        raise UnsupportedFamilyError(
+            f"No MLP of `{model_type}` has plain `gate_proj` and `up_proj` linear layers; the fused "
+            f"gate/up graft cannot apply. Families known to work: {', '.join(FUSED_GATE_UP_FAMILIES)}."
+        )
+    mapping = {cls.__name__: fused_gate_up_class(cls) for cls in found}
+    attributes = sorted(set().union(*found.values()))
+    converters = tuple(
+        WeightConverter([f"{a}.{n}" for n in GATE_UP_NAMES], [f"{a}.{FUSED_NAME}"], [Concatenate(dim=0)])
+        for a in attributes
+    )
+    return _Part(mapping, converters)
+
+
+def fused_gate_up(*model_types: str) -> Graft:
+    """The fused gate/up MLP graft for ``model_types`` (default: :data:`FUSED_GATE_UP_FAMILIES`).
+
+    Example:
+        >>> sorted(fused_gate_up("deepseek_v3").mapping)
+        ['DeepseekV3MLP']
+    """
+    types = model_types or FUSED_GATE_UP_FAMILIES
+    return Graft("fused gate/up", tuple(types), tuple((t, functools.partial(_part, t)) for t in types))

@@ -1,0 +1,102 @@
+"""Fused QKV attention: one ``qkv_proj`` instead of ``q_proj``, ``k_proj`` and ``v_proj``.
+
+For every attention class of the chosen families, :func:`fused_qkv_class` builds a subclass whose
+``__init__`` runs the original one and then fuses the three projections (see
+:mod:`modelgraft.grafts._fused`): the family's own forward runs unchanged, so grouped-query
+attention (q, k and v of different widths), q/k/v biases (Qwen2) and q/k norms (Qwen3, OLMo 2)
+work as they are. The checkpoint conversion is ``Concatenate(dim=0)`` of q, k and v, whose exact
+reverse writes the original, unequal-size tensors back on save.
+
+Example:
+    >>> import torch
+    >>> from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+    >>> from modelgraft.testing import tiny_config
+    >>> attn = fused_qkv_class(Qwen3Attention)(tiny_config("qwen3"), layer_idx=0)
+    >>> type(attn).__name__, tuple(attn.qkv_proj.weight.shape)  # q: 4 heads of 16, k and v: 2 heads each
+    ('FusedQKVQwen3Attention', (128, 64))
+    >>> sorted(name for name, _ in attn.named_parameters())
+    ['k_norm.weight', 'o_proj.weight', 'q_norm.weight', 'qkv_proj.weight']
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+
+from modelgraft.grafts._bundle import Graft, UnsupportedFamilyError, _Part, find_modules
+from modelgraft.grafts._fused import fused_subclass
+
+__all__ = ["FUSED_QKV_FAMILIES", "QKV_NAMES", "fused_qkv", "fused_qkv_class"]
+
+QKV_NAMES = ("q_proj", "k_proj", "v_proj")
+FUSED_NAME = "qkv_proj"
+
+#: Model types :func:`fused_qkv` covers by default (each one tested for equal logits and an exact
+#: save round trip).
+FUSED_QKV_FAMILIES: tuple[str, ...] = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "olmo",
+    "olmo2",
+    "granite",
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "olmoe",
+)
+
+
+def is_fusable_attention(module: nn.Module) -> bool:
+    """Whether ``module`` has plain ``q_proj``/``k_proj``/``v_proj`` layers reading one input."""
+    layers = [getattr(module, name, None) for name in QKV_NAMES]
+    if not all(type(layer) is nn.Linear for layer in layers):
+        return False
+    with_bias = {layer.bias is not None for layer in layers}
+    return len({layer.in_features for layer in layers}) == 1 and len(with_bias) == 1
+
+
+def fused_qkv_class(attention_class: type[nn.Module]) -> type[nn.Module]:
+    """Return the fused-QKV subclass of ``attention_class`` (the same class on every call)."""
+    return fused_subclass(attention_class, QKV_NAMES, FUSED_NAME, "FusedQKV")
+
+
+def _part(model_type: str) -> _Part:
+    from modelgraft.conversion import Concatenate, WeightConverter
+
+    found = find_modules(model_type, is_fusable_attention)
+    if not found:
+        raise UnsupportedFamilyError(
+            f"No attention of `{model_type}` has plain `q_proj`, `k_proj` and `v_proj` linear layers; "
+            f"the fused QKV graft cannot apply. Families known to work: {', '.join(FUSED_QKV_FAMILIES)}."
+        )
+    mapping = {cls.__name__: fused_qkv_class(cls) for cls in found}
+    attributes = sorted(set().union(*found.values()))
+    converters = tuple(
+        WeightConverter([f"{a}.{n}" for n in QKV_NAMES], [f"{a}.{FUSED_NAME}"], [Concatenate(dim=0)])
+        for a in attributes
+    )
+    return _Part(mapping, converters)
+
+
+def fused_qkv(*model_types: str) -> Graft:
+    """The fused QKV graft for ``model_types`` (default: :data:`FUSED_QKV_FAMILIES`).
+
+    Args:
+        *model_types: transformers model types; the attention classes are found by building each
+            model on the meta device.
+
+    Returns:
+        A :class:`~modelgraft.grafts.Graft`; its mapping and conversions are computed on first use.
+
+    Example:
+        >>> fused_qkv("qwen2").conversions["qwen2"][0].target_patterns
+        ('self_attn.qkv_proj',)
+    """
+    types = model_types or FUSED_QKV_FAMILIES
+    return Graft("fused QKV", tuple(types), tuple((t, functools.partial(_part, t)) for t in types))

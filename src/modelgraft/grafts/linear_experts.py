@@ -1,0 +1,255 @@
+"""Per-expert ``nn.Linear`` experts for the fused-expert MoE families of transformers 5.
+
+transformers 5 stores the experts of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, ... as two
+3D parameters: ``gate_up_proj`` of shape ``(num_experts, 2 * intermediate, hidden)`` (gate rows
+first, then up rows) and ``down_proj`` of shape ``(num_experts, hidden, intermediate)``. A
+quantizer that only handles ``nn.Linear`` cannot touch them. :func:`linear_experts_class` builds a
+replacement that is an ``nn.ModuleList`` of :class:`LinearExpert` modules, one per expert, each with
+three ``nn.Linear`` layers, and the same forward signature
+``(hidden_states, top_k_index, top_k_weights)``.
+
+The per-expert layers are named as in the family's checkpoints (``gate_proj``/``up_proj``/
+``down_proj``; ``w1``/``w3``/``w2`` for Mixtral-style checkpoints), which transformers 5 still
+writes per expert. Loading therefore needs no tensor conversion at all: the graft's conversions
+are transformers' own for that model type minus its expert merges (renamings such as
+``block_sparse_moe`` -> ``mlp`` stay).
+
+Example:
+    >>> from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
+    >>> from modelgraft.testing import tiny_config
+    >>> experts = linear_experts_class(Qwen2MoeExperts)(tiny_config("qwen2_moe"))
+    >>> len(experts), experts[0].gate_proj
+    (4, Linear(in_features=64, out_features=32, bias=False))
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+from torch import nn
+
+from modelgraft.grafts._bundle import (
+    Graft,
+    UnsupportedFamilyError,
+    _Part,
+    builtin_expert_names,
+    find_modules,
+    original_class,
+)
+
+__all__ = ["LINEAR_EXPERTS_FAMILIES", "LinearExpert", "linear_experts", "linear_experts_class"]
+
+DEFAULT_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+#: Model types :func:`linear_experts` covers by default (each one tested).
+LINEAR_EXPERTS_FAMILIES: tuple[str, ...] = (
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "olmoe",
+    "deepseek_v3",
+    "minimax",
+)
+
+
+class LinearExpert(nn.Module):
+    """One expert: ``down(act(gate(x)) * up(x))`` with three bias-free ``nn.Linear`` layers.
+
+    Args:
+        hidden: model width.
+        intermediate: expert width.
+        act_fn: the activation module of the original experts.
+        names: attribute names of the gate, up and down layers.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        act_fn: nn.Module,
+        names: tuple[str, str, str] = DEFAULT_NAMES,
+    ) -> None:
+        super().__init__()
+        gate, up, down = names
+        setattr(self, gate, nn.Linear(hidden, intermediate, bias=False))
+        setattr(self, up, nn.Linear(hidden, intermediate, bias=False))
+        setattr(self, down, nn.Linear(intermediate, hidden, bias=False))
+        self.act_fn = act_fn
+        self._names = names
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (getattr(self, n) for n in self._names)
+        return down(self.act_fn(gate(x)) * up(x))
+
+
+def _default_apply_gate() -> object:
+    try:
+        from transformers.integrations.moe import _default_apply_gate as found
+    except ImportError:  # older transformers: no pluggable gate, only the default one exists
+        return None
+    return found
+
+
+def _layout_problem(experts: nn.Module) -> str | None:
+    """Why ``experts`` is not the standard fused layout (``None`` when it is)."""
+    gate_up = getattr(experts, "gate_up_proj", None)
+    down = getattr(experts, "down_proj", None)
+    if not isinstance(gate_up, nn.Parameter) or not isinstance(down, nn.Parameter):
+        return "it has no 3D `gate_up_proj` and `down_proj` parameters"
+    if gate_up.dim() != 3 or down.dim() != 3:
+        return "its `gate_up_proj`/`down_proj` are not 3D"
+    for flag, standard in (("has_gate", True), ("has_bias", False), ("is_transposed", False),
+                           ("is_concatenated", True), ("has_post_expert_norm", False)):
+        if getattr(experts, flag, standard) != standard:
+            return f"`{flag}` is {not standard}"
+    default_gate = _default_apply_gate()
+    gate_fn = getattr(type(experts), "_apply_gate", default_gate)
+    if default_gate is not None and gate_fn is not default_gate:
+        return "it overrides `_apply_gate` (a custom gated activation)"
+    num, two_inter, hidden = gate_up.shape
+    if two_inter % 2 or tuple(down.shape) != (num, hidden, two_inter // 2):
+        return f"shapes {tuple(gate_up.shape)} and {tuple(down.shape)} do not fit (E, 2I, H) and (E, H, I)"
+    if not isinstance(getattr(experts, "act_fn", None), nn.Module):
+        return "it has no `act_fn` module"
+    return None
+
+
+class _LinearExpertsBase(nn.ModuleList):
+    """Experts as a ``ModuleList`` of :class:`LinearExpert`; subclassed per original class."""
+
+    _modelgraft_original: type[nn.Module]
+    _expert_names: tuple[str, str, str]
+
+    def __init__(self, config: object, *args: object, **kwargs: object) -> None:
+        super().__init__()
+        original = self._modelgraft_original
+        # The original class knows its sizes and activation; a meta instance costs no memory.
+        with torch.device("meta"):
+            probe = original(config, *args, **kwargs)
+        problem = _layout_problem(probe)
+        if problem is not None:
+            raise UnsupportedFamilyError(
+                f"`{original.__name__}` cannot become per-expert `nn.Linear` layers: {problem}. Expected "
+                "the standard layout `gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I) without bias."
+            )
+        self._setup(probe)
+
+    def _setup(self, probe: nn.Module) -> None:
+        num, two_inter, hidden = probe.gate_up_proj.shape
+        self.num_experts = num
+        self.hidden_dim = hidden
+        self.intermediate_dim = two_inter // 2
+        act_fn = probe.act_fn
+        for _ in range(num):
+            self.append(LinearExpert(hidden, two_inter // 2, act_fn, self._expert_names))
+
+    @classmethod
+    def _from_original(cls, module: nn.Module) -> nn.Module:
+        """Build per-expert layers from a built original, copying its weights."""
+        problem = _layout_problem(module)
+        if problem is not None:
+            raise UnsupportedFamilyError(f"`{type(module).__name__}` cannot be converted: {problem}.")
+        new = cls.__new__(cls)
+        nn.ModuleList.__init__(new)
+        device, dtype = module.gate_up_proj.device, module.gate_up_proj.dtype
+        new._setup(module)
+        new.to(device=device, dtype=dtype)
+        gate, up, down = cls._expert_names
+        inter = new.intermediate_dim
+        with torch.no_grad():
+            for index, expert in enumerate(new):
+                getattr(expert, gate).weight.copy_(module.gate_up_proj[index, :inter])
+                getattr(expert, up).weight.copy_(module.gate_up_proj[index, inter:])
+                getattr(expert, down).weight.copy_(module.down_proj[index])
+        return new
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Route each token to its ``top_k`` experts and sum their weighted outputs.
+
+        Args:
+            hidden_states: ``(num_tokens, hidden)``.
+            top_k_index: ``(num_tokens, top_k)`` expert ids; ids outside ``[0, num_experts)``
+                (the expert-parallel sentinel) are skipped, as in transformers.
+            top_k_weights: ``(num_tokens, top_k)`` routing weights.
+        """
+        out = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            hit = torch.unique(top_k_index).tolist()
+        for expert_id in hit:
+            if not 0 <= expert_id < self.num_experts:
+                continue
+            # Same visiting order as transformers (by top-k slot, then token) so sums match.
+            k_pos, token_idx = torch.where((top_k_index == expert_id).T)
+            current = self[expert_id](hidden_states[token_idx]) * top_k_weights[token_idx, k_pos, None]
+            out.index_add_(0, token_idx, current.to(out.dtype))
+        return out
+
+
+_CLASSES: dict[tuple[type, tuple[str, str, str]], type[nn.Module]] = {}
+_CLASSES_LOCK = threading.Lock()
+
+
+def linear_experts_class(
+    experts_class: type[nn.Module], names: tuple[str, str, str] = DEFAULT_NAMES
+) -> type[nn.Module]:
+    """Return the per-expert ``nn.Linear`` replacement of ``experts_class`` (cached).
+
+    Args:
+        experts_class: a fused-experts class such as ``Qwen2MoeExperts`` or ``MixtralExperts``.
+        names: names of each expert's gate, up and down layers (as in the family's checkpoints).
+    """
+    experts_class = original_class(experts_class)
+    key = (experts_class, tuple(names))
+    with _CLASSES_LOCK:
+        found = _CLASSES.get(key)
+        if found is None:
+            name = f"Linear{experts_class.__name__}"
+            found = type(
+                name,
+                (_LinearExpertsBase,),
+                {
+                    "__qualname__": name,
+                    "__doc__": f"`{experts_class.__name__}` as a `ModuleList` of per-expert `nn.Linear` layers.",
+                    "_modelgraft_original": experts_class,
+                    "_expert_names": tuple(names),
+                },
+            )
+            _CLASSES[key] = found
+        return found
+
+
+def _is_fused_experts(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and _layout_problem(module) is None
+
+
+def _part(model_type: str) -> _Part:
+    found = find_modules(model_type, _is_fused_experts)
+    if not found:
+        raise UnsupportedFamilyError(
+            f"`{model_type}` has no experts with the standard fused layout; the per-expert graft cannot "
+            f"apply. Families known to work: {', '.join(LINEAR_EXPERTS_FAMILIES)}."
+        )
+    names = builtin_expert_names(model_type)
+    if names is None:
+        raise UnsupportedFamilyError(
+            f"`{model_type}` checkpoints are not stored per expert by transformers (no expert merge in its "
+            "conversion mapping), so per-expert layers would not load from them."
+        )
+    mapping = {cls.__name__: linear_experts_class(cls, names) for cls in found}
+    return _Part(mapping, (), drop_expert_merges=True)
+
+
+def linear_experts(*model_types: str) -> Graft:
+    """The per-expert ``nn.Linear`` graft for ``model_types`` (default: :data:`LINEAR_EXPERTS_FAMILIES`).
+
+    Example:
+        >>> graft = linear_experts("mixtral")
+        >>> graft.mapping["MixtralExperts"].__name__, graft.conversions["mixtral"]
+        ('LinearMixtralExperts', [WeightRenaming(['block_sparse_moe'] -> ['mlp'])])
+    """
+    types = model_types or LINEAR_EXPERTS_FAMILIES
+    return Graft("per-expert linear experts", tuple(types), tuple((t, functools.partial(_part, t)) for t in types))
