@@ -179,7 +179,7 @@ class Graft:
 _META_LOCK = threading.Lock()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def meta_model(model_type: str) -> nn.Module:
     """The base model of ``model_type`` built on the meta device from its tiny config (cached)."""
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
@@ -203,9 +203,7 @@ def original_class(cls: type[nn.Module]) -> type[nn.Module]:
     return getattr(cls, "_modelgraft_original", cls)
 
 
-def find_modules(
-    model_type: str, accept: Callable[[nn.Module], bool]
-) -> dict[type[nn.Module], set[str]]:
+def find_modules(model_type: str, accept: Callable[[nn.Module], bool]) -> dict[type[nn.Module], set[str]]:
     """Original classes of the modules ``accept`` selects, with the attribute names they sit under."""
     found: dict[type[nn.Module], set[str]] = {}
     for path, module in meta_model(model_type).named_modules():
@@ -219,7 +217,7 @@ def find_modules(
 _PLAIN_PATTERN = re.compile(r"^[A-Za-z0-9_*]+(\.[A-Za-z0-9_*]+)*$")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _builtin_conversions(model_type: str) -> tuple[Any, ...]:
     """transformers' own conversions for ``model_type``, rewritten as modelgraft converters.
 

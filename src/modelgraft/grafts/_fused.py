@@ -198,7 +198,9 @@ _SUBCLASSES: dict[tuple[type, tuple[str, ...], str], type] = {}
 _SUBCLASSES_LOCK = threading.Lock()
 
 
-def fused_subclass(base: type[nn.Module], names: tuple[str, ...], fused_name: str, prefix: str) -> type[nn.Module]:
+def fused_subclass(
+    base: type[nn.Module], names: tuple[str, ...], fused_name: str, prefix: str
+) -> type[nn.Module]:
     """Return (and cache) a subclass of ``base`` whose ``__init__`` fuses ``names`` into one layer.
 
     Args:

@@ -100,8 +100,13 @@ def _layout_problem(experts: nn.Module) -> str | None:
         return "it has no 3D `gate_up_proj` and `down_proj` parameters"
     if gate_up.dim() != 3 or down.dim() != 3:
         return "its `gate_up_proj`/`down_proj` are not 3D"
-    for flag, standard in (("has_gate", True), ("has_bias", False), ("is_transposed", False),
-                           ("is_concatenated", True), ("has_post_expert_norm", False)):
+    for flag, standard in (
+        ("has_gate", True),
+        ("has_bias", False),
+        ("is_transposed", False),
+        ("is_concatenated", True),
+        ("has_post_expert_norm", False),
+    ):
         if getattr(experts, flag, standard) != standard:
             return f"`{flag}` is {not standard}"
     default_gate = _default_apply_gate()
@@ -252,4 +257,6 @@ def linear_experts(*model_types: str) -> Graft:
         ('LinearMixtralExperts', [WeightRenaming(['block_sparse_moe'] -> ['mlp'])])
     """
     types = model_types or LINEAR_EXPERTS_FAMILIES
-    return Graft("per-expert linear experts", tuple(types), tuple((t, functools.partial(_part, t)) for t in types))
+    return Graft(
+        "per-expert linear experts", tuple(types), tuple((t, functools.partial(_part, t)) for t in types)
+    )
