@@ -43,8 +43,9 @@ __all__ = ["LOCK", "STATS", "Swap", "add_scope_prefix", "in_scope_modules", "rem
 #: thread never builds from another thread's swapped classes. Re-entrant for nested loads.
 LOCK = threading.RLock()
 
-#: Internal counters, for tests and benchmarks: ``scans`` counts plans computed by swaps.
-STATS = {"scans": 0}
+#: Internal counters, for tests and benchmarks: ``scans`` counts plans computed (name matching over
+#: the index), ``swaps`` counts outermost entries of a non-empty :class:`Swap` (one per load).
+STATS = {"scans": 0, "swaps": 0}
 
 _user_prefixes: tuple[str, ...] = ()
 # module name -> (module object, namespace size when indexed, names bound to nn.Module classes)
@@ -199,6 +200,7 @@ class Swap:
         if not self.snap:
             return self
         if self._depth == 1:
+            STATS["swaps"] += 1
             modules = sys.modules
             self._start = (len(modules), next(reversed(modules)))
         try:
@@ -261,7 +263,8 @@ class Swap:
         replacements = {id(a[3]) for a in self._applied}
         names = list(modules)
         start_len, start_last = self._start
-        tail = names[start_len:] if start_len and names[start_len - 1] == start_last else names
+        grew = 0 < start_len <= len(names) and names[start_len - 1] == start_last
+        tail = names[start_len:] if grew else names
         for name in tail:
             module = modules.get(name)
             namespace = getattr(module, "__dict__", None)

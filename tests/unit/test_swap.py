@@ -1,0 +1,127 @@
+"""Issue 2, point 4 (only nn.Module classes are swapped; a scan imports nothing) and swap mechanics."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+from transformers.models.llama import modeling_llama
+
+from modelgraft import apply_patches, patched, register_patch_mapping, swap
+
+
+class Anything(torch.nn.Module):
+    pass
+
+
+def _bindings(module: types.ModuleType) -> dict[str, object]:
+    return dict(vars(module))
+
+
+@pytest.mark.parametrize("key", [".*Output", ".*Config", "Output", ".*", "PreTrainedModel", "Config"])
+def test_broad_patterns_touch_only_module_classes_and_import_nothing(key: str) -> None:
+    before_modules = set(sys.modules)
+    before = _bindings(modeling_llama)
+    register_patch_mapping({key: Anything})
+    with apply_patches():
+        assert set(sys.modules) == before_modules  # the scan imported nothing
+        inside = _bindings(modeling_llama)
+        changed = {name for name in before if inside[name] is not before[name]}
+        for name in changed:
+            original = before[name]
+            assert isinstance(original, type) and issubclass(original, torch.nn.Module), name
+        assert modeling_llama.LlamaConfig is before["LlamaConfig"]
+        assert modeling_llama.BaseModelOutputWithPast is before["BaseModelOutputWithPast"]
+    assert _bindings(modeling_llama) == before
+    assert set(sys.modules) == before_modules
+
+
+def test_output_pattern_swaps_nothing_in_llama() -> None:
+    register_patch_mapping({".*Output": Anything})
+    before = _bindings(modeling_llama)
+    with apply_patches():
+        assert _bindings(modeling_llama) == before
+
+
+def test_nested_apply_patches_restore_in_order() -> None:
+    original = modeling_llama.LlamaMLP
+
+    class Outer(torch.nn.Module):
+        pass
+
+    class Inner(torch.nn.Module):
+        pass
+
+    with patched({"LlamaMLP": Outer}), apply_patches():
+        assert modeling_llama.LlamaMLP is Outer
+        with patched({"LlamaMLP": Inner}), apply_patches():
+            assert modeling_llama.LlamaMLP is Inner
+        assert modeling_llama.LlamaMLP is Outer
+    assert modeling_llama.LlamaMLP is original
+
+
+def test_a_module_removed_from_sys_modules_is_restored_without_error() -> None:
+    fake = types.ModuleType("transformers.models.fake.modeling_fake")
+
+    class FakeAttention(torch.nn.Module):
+        pass
+
+    fake.FakeAttention = FakeAttention
+    sys.modules[fake.__name__] = fake
+    try:
+        with patched({"FakeAttention": Anything}), apply_patches():
+            assert fake.FakeAttention is Anything
+            del sys.modules[fake.__name__]
+    finally:
+        sys.modules.pop(fake.__name__, None)
+    assert fake.FakeAttention is FakeAttention
+
+
+def test_module_imported_during_the_block_gets_the_original_back() -> None:
+    original = modeling_llama.LlamaMLP
+    name = "transformers.models.fake2.modeling_fake2"
+
+    class Rep(torch.nn.Module):
+        pass
+
+    with patched({"LlamaMLP": Rep}), apply_patches():
+        late = types.ModuleType(name)
+        late.LlamaMLP = modeling_llama.LlamaMLP  # what `from ..llama.modeling_llama import LlamaMLP` does
+        sys.modules[name] = late
+    try:
+        assert late.LlamaMLP is original
+    finally:
+        del sys.modules[name]
+
+
+def test_user_prefix_brings_a_package_into_scope() -> None:
+    module = types.ModuleType("mypkg_scope_test.blocks")
+
+    class Block(torch.nn.Module):
+        pass
+
+    module.Block = Block
+    sys.modules[module.__name__] = module
+    try:
+        with patched({"Block": Anything}), apply_patches():
+            assert module.Block is Block  # not in scope yet
+        swap.add_scope_prefix("mypkg_scope_test")
+        with patched({"Block": Anything}), apply_patches():
+            assert module.Block is Anything
+        assert module.Block is Block
+    finally:
+        swap.remove_scope_prefix("mypkg_scope_test")
+        del sys.modules[module.__name__]
+
+
+def test_plan_is_cached_per_snapshot() -> None:
+    register_patch_mapping({"LlamaMLP": Anything})
+    with apply_patches():
+        pass
+    scans = swap.STATS["scans"]
+    for _ in range(3):
+        with apply_patches():
+            assert modeling_llama.LlamaMLP is Anything
+    assert swap.STATS["scans"] == scans
