@@ -1,7 +1,17 @@
 """The transformers-version-specific wiring of the conversion engine (transformers 5.x).
 
 Everything that names a transformers internal lives here, so that supporting another version
-means adding one module like this one.
+means adding one module like this one. Wrapped, in ``transformers.modeling_utils``:
+
+* ``PreTrainedModel.post_init``: remembers the conversion scopes a model was built under, so a
+  model made with ``from_config`` saves its original layout after the scope has ended.
+* ``get_model_conversion_mapping`` (the name ``from_pretrained`` calls): drops transformers'
+  built-in transforms for every (sub)model that has a modelgraft entry; that entry replaces them.
+* ``PreTrainedModel._load_pretrained_model``: after transformers has loaded every key that fits,
+  fills the missing converted parameters from the checkpoint files (before ``_finalize_model_loading``
+  would randomly initialise them).
+* ``revert_weight_conversion`` (the name ``save_pretrained`` calls): reverses modelgraft's conversions
+  exactly and leaves the other keys to transformers.
 
 Example:
     >>> from modelgraft.conversion import _transformers_hooks
@@ -11,7 +21,23 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import threading
+from typing import Any
+
+import torch
 from transformers import conversion_mapping as _tcm
+from transformers import modeling_utils as _mu
+
+from modelgraft.conversion import load as _load
+from modelgraft.conversion import save as _save
+from modelgraft.conversion.rules import has_any_conversions
+
+__all__ = ["builtin_conversion_exists", "install", "installed", "uninstall"]
+
+_MARK = "__modelgraft_conversion_hook__"
+_lock = threading.Lock()
+_originals: dict[str, Any] = {}
 
 
 def builtin_conversion_exists(key: str) -> bool:
@@ -19,9 +45,142 @@ def builtin_conversion_exists(key: str) -> bool:
     return _tcm.get_checkpoint_conversion_mapping(key) is not None
 
 
+def _signature(transform: Any) -> tuple:
+    return (
+        type(transform).__name__,
+        tuple(getattr(transform, "_original_source_patterns", ()) or ()),
+        tuple(getattr(transform, "_original_target_patterns", ()) or ()),
+    )
+
+
+def _filter_builtins(model: Any, transforms: list) -> list:
+    scopes = _load.resolve_scopes(model)
+    if not scopes:
+        return transforms
+    drop: set[tuple] = set()
+    base = getattr(model, "base_model_prefix", "") or ""
+    for scope in scopes:
+        sub = model.get_submodule(scope.path) if scope.path else model
+        builtin = _tcm.extract_weight_conversions_for_model(sub) or []
+        # transformers scopes sub-model transforms with the path minus the base model prefix.
+        prefix = None if not scope.path else scope.path.removeprefix(base).removeprefix(".")
+        drop.update((prefix, *_signature(t)) for t in builtin)
+    return [t for t in transforms if (getattr(t, "scope_prefix", None), *_signature(t)) not in drop]
+
+
+def _wrap_get_model_conversion_mapping(original: Any) -> Any:
+    @functools.wraps(original)
+    def get_model_conversion_mapping(model: Any, *args: Any, **kwargs: Any) -> list:
+        transforms = original(model, *args, **kwargs)
+        if not has_any_conversions():
+            return transforms
+        return _filter_builtins(model, transforms)
+
+    setattr(get_model_conversion_mapping, _MARK, original)
+    return get_model_conversion_mapping
+
+
+def _device_for(device_map: dict | None):
+    def device_for(key: str) -> torch.device | str:
+        if not device_map:
+            return "cpu"
+        best = max(
+            (p for p in device_map if p == "" or key == p or key.startswith(p + ".")), key=len, default=None
+        )
+        dev = device_map.get(best, "cpu") if best is not None else "cpu"
+        if dev == "disk":
+            return "cpu"
+        return torch.device(dev) if isinstance(dev, int) else dev
+
+    return device_for
+
+
+def _wrap_load_pretrained_model(original: Any) -> staticmethod:
+    @functools.wraps(original)
+    def _load_pretrained_model(
+        model: Any, state_dict: Any, checkpoint_files: Any, load_config: Any, *a, **kw
+    ):
+        loading_info, offload_index = original(model, state_dict, checkpoint_files, load_config, *a, **kw)
+        if has_any_conversions() and state_dict is None:
+            _load.apply_load_conversions(
+                model,
+                checkpoint_files,
+                loading_info.missing_keys,
+                loading_info.unexpected_keys,
+                _device_for(getattr(load_config, "device_map", None)),
+            )
+        return loading_info, offload_index
+
+    setattr(_load_pretrained_model, _MARK, original)
+    return staticmethod(_load_pretrained_model)
+
+
+def _wrap_post_init(original: Any) -> Any:
+    @functools.wraps(original)
+    def post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if has_any_conversions():
+            scopes = _load.resolve_scopes(self)
+            if scopes:
+                object.__setattr__(self, _load.STATE_ATTR, _load.ConversionState(scopes=scopes))
+        return result
+
+    setattr(post_init, _MARK, original)
+    return post_init
+
+
+def _wrap_revert(original: Any) -> Any:
+    @functools.wraps(original)
+    def revert_weight_conversion(model: Any, state_dict: dict) -> dict:
+        reversed_ = _save.reverse_state_dict(model, state_dict)
+        if reversed_ is None:
+            return original(model, state_dict)
+        converted, untouched, scopes = reversed_
+        rest = {k: state_dict[k] for k in untouched}
+        root_claimed = any(not s.path for s in scopes)
+        # A root entry is the model's whole mapping: without load-time transforms to undo,
+        # transformers would rebuild its built-in ones from the registry, so skip it.
+        if root_claimed and getattr(model, "_weight_conversions", None) is None:
+            out = rest
+        else:
+            out = original(model, rest)
+        out.update(converted)
+        return out
+
+    setattr(revert_weight_conversion, _MARK, original)
+    return revert_weight_conversion
+
+
+def installed() -> bool:
+    """Whether the conversion wrappers are in place."""
+    return hasattr(_mu.get_model_conversion_mapping, _MARK)
+
+
 def install() -> None:
     """Install the load/save wrappers (idempotent)."""
+    with _lock:
+        if installed():
+            return
+        base = _mu.PreTrainedModel
+        _originals["get_model_conversion_mapping"] = _mu.get_model_conversion_mapping
+        _originals["revert_weight_conversion"] = _mu.revert_weight_conversion
+        _originals["_load_pretrained_model"] = base.__dict__["_load_pretrained_model"].__func__
+        _originals["post_init"] = base.__dict__["post_init"]
+        _mu.get_model_conversion_mapping = _wrap_get_model_conversion_mapping(
+            _originals["get_model_conversion_mapping"]
+        )
+        _mu.revert_weight_conversion = _wrap_revert(_originals["revert_weight_conversion"])
+        base._load_pretrained_model = _wrap_load_pretrained_model(_originals["_load_pretrained_model"])
+        base.post_init = _wrap_post_init(_originals["post_init"])
 
 
 def uninstall() -> None:
     """Remove the load/save wrappers (idempotent)."""
+    with _lock:
+        if not installed():
+            return
+        base = _mu.PreTrainedModel
+        _mu.get_model_conversion_mapping = _originals.pop("get_model_conversion_mapping")
+        _mu.revert_weight_conversion = _originals.pop("revert_weight_conversion")
+        base._load_pretrained_model = staticmethod(_originals.pop("_load_pretrained_model"))
+        base.post_init = _originals.pop("post_init")

@@ -1,0 +1,189 @@
+"""Pair checkpoint keys with model keys for each converter, and run converters both ways.
+
+A *group* is one application of a converter: for example the ``q_proj``, ``k_proj`` and
+``v_proj`` weights of layer 0 and the ``qkv_proj`` weight they become. Groups are planned from
+key names and shapes only; no tensor is read here.
+
+Example:
+    >>> import torch
+    >>> from modelgraft.conversion import Concatenate, WeightConverter
+    >>> from modelgraft.conversion._plan import plan_groups
+    >>> conv = WeightConverter(["q_proj", "k_proj", "v_proj"], "qkv_proj", [Concatenate(dim=0)])
+    >>> src = {f"l.0.{n}.weight": torch.Size([2, 2]) for n in ("q_proj", "k_proj", "v_proj")}
+    >>> [g.targets for g in plan_groups([conv], ["l.0.qkv_proj.weight"], src).groups]
+    [(('l.0.qkv_proj.weight',),)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from modelgraft.conversion.ops import ConversionContext, ShapeGroups, TensorGroups
+from modelgraft.conversion.rules import WeightConverter
+from modelgraft.errors import ConversionShapeError, IrreversibleConversionError, MissingSourceKeyError
+
+__all__ = ["Group", "Plan", "plan_groups", "run_convert", "run_reverse"]
+
+
+@dataclass(frozen=True)
+class Group:
+    """One converter application: source keys per source pattern, target keys per target pattern."""
+
+    converter: WeightConverter
+    sources: tuple[tuple[str, ...], ...]
+    targets: tuple[tuple[str, ...], ...]
+    source_shapes: ShapeGroups = field(default_factory=list, compare=False)
+
+    @property
+    def flat_sources(self) -> list[str]:
+        return [k for keys in self.sources for k in keys]
+
+    @property
+    def flat_targets(self) -> list[str]:
+        return [k for keys in self.targets for k in keys]
+
+
+@dataclass
+class Plan:
+    """Groups that can run, and target keys whose sources are entirely absent."""
+
+    groups: list[Group] = field(default_factory=list)
+    unsourced_targets: list[tuple[WeightConverter, str]] = field(default_factory=list)
+
+
+def _bucket(patterns, keys: Iterable[str]) -> dict[tuple[str, str], list[dict[int | None, str]]]:
+    """``(prefix, suffix) -> [per pattern: {index: key}]`` for every key a pattern matches."""
+    buckets: dict[tuple[str, str], list[dict[int | None, str]]] = {}
+    for key in keys:
+        for i, pattern in enumerate(patterns):
+            m = pattern.match(key)
+            if m is None:
+                continue
+            slots = buckets.setdefault((m.prefix, m.suffix), [{} for _ in patterns])
+            slots[i][m.index] = key
+            break  # a key belongs to the first pattern that matches it
+    return buckets
+
+
+def _ordered(slot: dict[int | None, str]) -> tuple[str, ...]:
+    return tuple(slot[i] for i in sorted(slot, key=lambda i: -1 if i is None else i))
+
+
+def plan_groups(
+    converters: Sequence[WeightConverter],
+    target_keys: Iterable[str],
+    source_shapes: Mapping[str, torch.Size],
+    strict_sources: bool = True,
+) -> Plan:
+    """Plan the groups of ``converters`` for a model whose parameters are ``target_keys``.
+
+    Args:
+        converters: the (sub)model's conversion entry.
+        target_keys: model-side keys (the grafted model's parameter names).
+        source_shapes: checkpoint-side keys (already in the model's key space) and their shapes.
+        strict_sources: raise :class:`MissingSourceKeyError` when a group finds some but not all
+            of its source patterns.
+    """
+    plan = Plan()
+    target_keys = list(target_keys)
+    taken: set[str] = set()
+    for conv in converters:
+        tgt_buckets = _bucket(conv._targets, (k for k in target_keys if k not in taken))
+        if not tgt_buckets:
+            continue
+        src_buckets = _bucket(conv._sources, source_shapes)
+        for (prefix, suffix), tslots in tgt_buckets.items():
+            if not all(tslots):
+                continue  # not every target pattern exists here: not this converter's layout
+            sslots = src_buckets.get((prefix, suffix))
+            targets = tuple(_ordered(s) for s in tslots)
+            if sslots is None or not any(sslots):
+                plan.unsourced_targets.extend((conv, k) for keys in targets for k in keys)
+                continue
+            missing = [
+                p.build(prefix, suffix, 0 if p.has_star else None)
+                for p, slot in zip(conv._sources, sslots)
+                if not slot
+            ]
+            if missing and strict_sources:
+                raise MissingSourceKeyError(
+                    f"Converter {conv!r} needs checkpoint key `{missing[0]}` to build "
+                    f"`{targets[0][0]}`, but the checkpoint does not hold it. Check the converter's "
+                    "source patterns against the checkpoint's keys."
+                )
+            if missing:
+                continue
+            sources = tuple(_ordered(s) for s in sslots)
+            shapes = [[torch.Size(source_shapes[k]) for k in keys] for keys in sources]
+            plan.groups.append(Group(conv, sources, targets, shapes))
+            taken.update(k for keys in targets for k in keys)
+    return plan
+
+
+def run_convert(group: Group, tensors: TensorGroups, target_shapes: ShapeGroups | None) -> TensorGroups:
+    """Run the group's operations in order (checkpoint layout to grafted layout)."""
+    ops = group.converter.operations
+    n = len(group.targets)
+    for i, op in enumerate(ops):
+        last = i == len(ops) - 1
+        tensors = op.convert(
+            tensors, ConversionContext(num_targets=n, target_shapes=target_shapes if last else None)
+        )
+    _check_shapes(group, tensors, target_shapes, "load")
+    return tensors
+
+
+def _check_shapes(group: Group, tensors: TensorGroups, expected: ShapeGroups | None, where: str) -> None:
+    keys = group.targets if where == "load" else group.sources
+    if len(tensors) != len(keys) or any(len(t) != len(k) for t, k in zip(tensors, keys)):
+        got = [len(t) for t in tensors]
+        raise ConversionShapeError(
+            f"Converter {group.converter!r} produced {got} tensor(s) per pattern but `{keys[0][0]}` and its group "
+            f"need {[len(k) for k in keys]}. Check the operations against the patterns."
+        )
+    if expected is None:
+        return
+    for names, ts, shapes in zip(keys, tensors, expected):
+        for name, t, shape in zip(names, ts, shapes):
+            if tuple(t.shape) != tuple(shape):
+                raise ConversionShapeError(
+                    f"Converter {group.converter!r} produced shape {tuple(t.shape)} for `{name}`, but the "
+                    f"{'model parameter' if where == 'load' else 'original checkpoint key'} has shape "
+                    f"{tuple(shape)}. Check the operations' dims, or the replacement module's sizes."
+                )
+
+
+def _op_input_shapes(group: Group, target_shapes: ShapeGroups) -> list[ShapeGroups]:
+    """Shapes each operation received on load, recomputed by running the ops on meta tensors."""
+    tensors: TensorGroups = [
+        [torch.empty(s, device="meta") for s in shapes] for shapes in group.source_shapes
+    ]
+    seen: list[ShapeGroups] = []
+    ops = group.converter.operations
+    for i, op in enumerate(ops):
+        seen.append([[t.shape for t in g] for g in tensors])
+        last = i == len(ops) - 1
+        ctx = ConversionContext(num_targets=len(group.targets), target_shapes=target_shapes if last else None)
+        tensors = op.convert(tensors, ctx)
+    return seen
+
+
+def run_reverse(group: Group, tensors: TensorGroups) -> TensorGroups:
+    """Undo the group's operations (grafted layout back to the checkpoint layout), exactly."""
+    ops = group.converter.operations
+    for op in ops:
+        if not op.is_reversible:
+            raise IrreversibleConversionError(
+                f"Converter {group.converter!r} cannot write the original layout of `{group.flat_targets[0]}`: "
+                f"operation `{type(op).__name__}` has no `reverse`. Implement `reverse(tensors, context)` on it, "
+                "or save the grafted layout with `model.save_pretrained(path, save_original_format=False)`."
+            )
+    target_shapes = [[t.shape for t in g] for g in tensors]
+    inputs = _op_input_shapes(group, target_shapes)
+    for op, shapes in zip(reversed(ops), reversed(inputs)):
+        tensors = op.reverse(tensors, ConversionContext(num_targets=len(shapes), source_shapes=shapes))
+    _check_shapes(group, tensors, group.source_shapes, "save")
+    return tensors

@@ -1,0 +1,257 @@
+"""Streaming load: fill the grafted model's missing parameters from the checkpoint, group by group.
+
+transformers loads every key that fits the model as it is; what is left missing and has a
+registered converter is filled here, before transformers initialises missing weights, so no
+converted parameter is randomly initialised first. Source tensors are read with safetensors
+``safe_open`` one group at a time, so the extra memory is bounded by the largest group.
+
+Example:
+    >>> from modelgraft.conversion.load import resolve_scopes
+    >>> import torch
+    >>> resolve_scopes(torch.nn.Linear(1, 1))
+    []
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import safe_open
+
+from modelgraft.conversion._plan import Group, plan_groups, run_convert
+from modelgraft.conversion.rules import Conversions, has_any_conversions, lookup_conversions
+from modelgraft.report import ConversionRecord, _report_for
+
+__all__ = ["ConversionState", "Scope", "apply_load_conversions", "resolve_scopes"]
+
+STATE_ATTR = "_modelgraft_conversion_state"
+
+
+@dataclass(frozen=True)
+class Scope:
+    """A (sub)model with a conversion entry: its module path, the entry's key and converters."""
+
+    path: str
+    key: str
+    converters: Conversions
+    class_name: str
+    model_type: str | None
+
+    def owns(self, param: str) -> bool:
+        return not self.path or param.startswith(self.path + ".")
+
+    def local(self, param: str) -> str:
+        return param[len(self.path) + 1 :] if self.path else param
+
+    def glob(self, local: str) -> str:
+        return f"{self.path}.{local}" if self.path else local
+
+
+@dataclass
+class ConversionState:
+    """What a model needs to write its original layout: its scopes and the groups that ran on load."""
+
+    scopes: list[Scope]
+    groups: list[Group] = field(default_factory=list)
+    loaded: bool = False
+
+
+def _is_pretrained(module: torch.nn.Module) -> bool:
+    return hasattr(module, "config") and hasattr(module, "base_model_prefix")
+
+
+def resolve_scopes(model: torch.nn.Module) -> list[Scope]:
+    """Find the conversion entry of the model and each sub-model (class name before ``model_type``).
+
+    A sub-model whose entry is the same as an enclosing one's (``XForY`` and its ``XModel``) is
+    covered by the enclosing scope; a sub-model with a different entry gets its own scope, which
+    owns the keys under it.
+    """
+    if not has_any_conversions():
+        return []
+    scopes: list[Scope] = []
+    for path, module in model.named_modules():
+        if not _is_pretrained(module):
+            continue
+        model_type = getattr(module.config, "model_type", None)
+        found = lookup_conversions(type(module).__name__, model_type)
+        if found is None:
+            continue
+        key, converters = found
+        enclosing = [s for s in scopes if not s.path or path.startswith(s.path + ".")]
+        if enclosing and enclosing[-1].converters == converters:
+            continue
+        scopes.append(Scope(path, key, converters, type(module).__name__, model_type))
+    return scopes
+
+
+def scope_for(scopes: Sequence[Scope], param: str) -> Scope | None:
+    """The deepest scope owning ``param``."""
+    best = None
+    for s in scopes:
+        if s.owns(param) and (best is None or len(s.path) > len(best.path)):
+            best = s
+    return best
+
+
+# ---- checkpoint files ---------------------------------------------------------------------------
+def checkpoint_index(files: Iterable[str]) -> dict[str, tuple[str, torch.Size]]:
+    """``key -> (file, shape)`` from the safetensors headers (no tensor is read)."""
+    index: dict[str, tuple[str, torch.Size]] = {}
+    for path in files:
+        if not str(path).endswith(".safetensors"):
+            continue
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                index[key] = (path, torch.Size(f.get_slice(key).get_shape()))
+    return index
+
+
+def files_in_folder(folder: str | os.PathLike) -> list[str]:
+    """The safetensors files of a checkpoint folder (sharded through its index json, or single)."""
+    folder = os.fspath(folder)
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as fh:
+            shards = sorted(set(json.load(fh)["weight_map"].values()))
+        return [os.path.join(folder, s) for s in shards]
+    single = os.path.join(folder, "model.safetensors")
+    return [single] if os.path.isfile(single) else []
+
+
+def _key_translation(
+    model: torch.nn.Module, model_keys: set[str], ckpt_keys: Iterable[str]
+) -> dict[str, str]:
+    """Map checkpoint keys into the model's key space (adding or removing ``base_model_prefix``)."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    ckpt_keys = list(ckpt_keys)
+    if not prefix:
+        return {k: k for k in ckpt_keys}
+    dotted = prefix + "."
+    model_has = any(k.startswith(dotted) for k in model_keys)
+    ckpt_has = any(k.startswith(dotted) for k in ckpt_keys)
+    if ckpt_has and not model_has:  # a base model loaded from a checkpoint with a head
+        return {k: k[len(dotted) :] if k.startswith(dotted) else k for k in ckpt_keys}
+    if model_has and not ckpt_has:  # a model with a head loaded from a base checkpoint
+        roots = set(model._modules)
+        return {k: k if k.split(".", 1)[0] in roots else dotted + k for k in ckpt_keys}
+    return {k: k for k in ckpt_keys}
+
+
+# ---- the load step ------------------------------------------------------------------------------
+def _set_tensor(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if leaf in parent._parameters:
+        old = parent._parameters[leaf]
+        new = torch.nn.Parameter(value, requires_grad=old.requires_grad if old is not None else True)
+        new._is_hf_initialized = True  # transformers' init skips tensors carrying this flag
+        parent._parameters[leaf] = new
+    else:
+        value._is_hf_initialized = True  # type: ignore[attr-defined]
+        parent._buffers[leaf] = value
+
+
+def apply_load_conversions(
+    model: torch.nn.Module,
+    checkpoint_files: Sequence[str] | None,
+    missing_keys: set[str],
+    unexpected_keys: set[str],
+    device_for: Callable[[str], torch.device | str] = lambda _key: "cpu",
+) -> ConversionState | None:
+    """Fill ``missing_keys`` of ``model`` that a registered converter can produce, in place.
+
+    Converted targets are removed from ``missing_keys`` and consumed sources from
+    ``unexpected_keys``. Returns the state saved on the model, or ``None`` when no entry applies.
+
+    Raises:
+        MissingSourceKeyError: a group finds only some of its source keys.
+        ConversionShapeError: a converted tensor does not fit its parameter.
+    """
+    scopes = resolve_scopes(model)
+    if not scopes:
+        return None
+    state = ConversionState(scopes=scopes, loaded=checkpoint_files is not None)
+    object.__setattr__(model, STATE_ATTR, state)
+    if not checkpoint_files:
+        return state
+    params = dict(model.named_parameters(remove_duplicate=False))
+    params.update(dict(model.named_buffers(remove_duplicate=False)))
+    index = checkpoint_index(checkpoint_files)
+    to_model = _key_translation(model, set(params), index)
+    to_ckpt = {m: c for c, m in to_model.items()}
+    rep = _report_for(model)
+
+    with ExitStack() as stack:
+        handles: dict[str, object] = {}
+
+        def read(model_key: str) -> torch.Tensor:
+            ckpt_key = to_ckpt[model_key]
+            path = index[ckpt_key][0]
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(path, framework="pt"))
+            return handles[path].get_tensor(ckpt_key)  # type: ignore[attr-defined]
+
+        for scope in scopes:
+            owned_missing = sorted(scope.local(k) for k in missing_keys if scope_for(scopes, k) is scope)
+            if not owned_missing:
+                continue
+            src_shapes = {scope.local(m): index[c][1] for c, m in to_model.items() if scope.owns(m)}
+            plan = plan_groups(scope.converters, owned_missing, src_shapes)
+            for local_group in plan.groups:
+                group = _globalise(local_group, scope)
+                _run_group(model, group, params, read, device_for)
+                state.groups.append(group)
+                missing_keys.difference_update(group.flat_targets)
+                for k in group.flat_sources:
+                    unexpected_keys.discard(k)
+                    unexpected_keys.discard(to_ckpt.get(k, k))
+                rep.conversions.append(
+                    ConversionRecord(
+                        repr(group.converter), tuple(group.flat_sources), tuple(group.flat_targets)
+                    )
+                )
+            for conv, key in plan.unsourced_targets:
+                name = scope.glob(key)
+                if name not in rep.unloaded_parameters:
+                    rep.unloaded_parameters.append(name)
+                rep.problems.append(
+                    f"`{name}` was produced by no converter: {conv!r} found none of its source keys in the "
+                    "checkpoint, so the parameter keeps its random init. Check the converter's source patterns."
+                )
+    return state
+
+
+def _globalise(group: Group, scope: Scope) -> Group:
+    return Group(
+        group.converter,
+        tuple(tuple(scope.glob(k) for k in keys) for keys in group.sources),
+        tuple(tuple(scope.glob(k) for k in keys) for keys in group.targets),
+        group.source_shapes,
+    )
+
+
+def _run_group(
+    model: torch.nn.Module,
+    group: Group,
+    params: Mapping[str, torch.Tensor],
+    read: Callable[[str], torch.Tensor],
+    device_for: Callable[[str], torch.device | str],
+) -> None:
+    tensors = [[read(k) for k in keys] for keys in group.sources]
+    target_shapes = [[params[k].shape for k in keys] for keys in group.targets]
+    out = run_convert(group, tensors, target_shapes)
+    del tensors
+    for keys, values in zip(group.targets, out):
+        for key, value in zip(keys, values):
+            ref = params[key]
+            device = ref.device if ref.device.type != "meta" else device_for(key)
+            value = value.to(device=device, dtype=ref.dtype).contiguous()
+            if value._base is not None:  # a view into a shared buffer would look like a tied weight
+                value = value.clone()
+            _set_tensor(model, key, value)
