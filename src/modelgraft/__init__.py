@@ -34,6 +34,7 @@ from modelgraft.errors import (
     UnsupportedTransformersError,
 )
 from modelgraft.hooks import apply_patches, patched
+from modelgraft.live import graft_model
 from modelgraft.recorders import patch_output_recorders
 from modelgraft.registry import (
     clear_patch_mapping,
@@ -72,6 +73,7 @@ __all__ = [
     "clear_patch_mapping",
     "get_checkpoint_conversion_mapping",
     "get_patch_mapping",
+    "graft_model",
     "patch_output_recorders",
     "patched",
     "register_checkpoint_conversion_mapping",
