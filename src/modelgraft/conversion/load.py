@@ -68,9 +68,9 @@ def _is_pretrained(module: torch.nn.Module) -> bool:
 def resolve_scopes(model: torch.nn.Module) -> list[Scope]:
     """Find the conversion entry of the model and each sub-model (class name before ``model_type``).
 
-    A sub-model whose entry is the same as an enclosing one's (``XForY`` and its ``XModel``) is
-    covered by the enclosing scope; a sub-model with a different entry gets its own scope, which
-    owns the keys under it.
+    A sub-model of the same ``model_type`` as an enclosing scope (``XModel`` inside ``XForY``) is
+    covered by it unless it has an entry under its own class name; a sub-model of another type
+    (the text or vision part of a composite model) gets its own scope, owning the keys under it.
     """
     if not has_any_conversions():
         return []
@@ -84,7 +84,10 @@ def resolve_scopes(model: torch.nn.Module) -> list[Scope]:
             continue
         key, converters = found
         enclosing = [s for s in scopes if not s.path or path.startswith(s.path + ".")]
-        if enclosing and enclosing[-1].converters == converters:
+        # `XModel` inside `XForY` is the same model: the entry chosen for the outer one covers it,
+        # unless the inner one has an entry under its own class name.
+        same_model = any(s.model_type == model_type for s in enclosing) and key != type(module).__name__
+        if same_model or (enclosing and enclosing[-1].converters == converters):
             continue
         scopes.append(Scope(path, key, converters, type(module).__name__, model_type))
     return scopes
