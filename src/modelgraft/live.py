@@ -241,7 +241,7 @@ def _build(model: torch.nn.Module, target: _Target, snap: Snapshot) -> None:
             built = target.replacement_cls(*target.args, **target.kwargs)
     except Exception as exc:
         raise GraftError(
-            f"Building `{target.replacement_cls.__qualname__}` for `{target.path}` (key `{target.key}`) failed: "
+            f"Building `{target.replacement_cls.__name__}` for `{target.path}` (key `{target.key}`) failed: "
             f"{type(exc).__name__}: {exc}. The model was left unchanged."
         ) from exc
     if floating:
