@@ -51,16 +51,17 @@ def tiny_qwen2_moe_config(**overrides):
     return AutoConfig.for_model("qwen2_moe", **kw)
 
 
-class FusedQKVLlamaAttention(LlamaAttention):
-    """Llama attention with q, k and v in one ``qkv_proj`` (sizes follow the KV heads)."""
+class _FusedQKVMixin:
+    """Attention with q, k and v in one ``qkv_proj`` (sizes follow the KV heads: GQA-exact)."""
 
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
+        bias = self.q_proj.bias is not None
         del self.q_proj, self.k_proj, self.v_proj
         self.sizes = [config.num_attention_heads * self.head_dim] + [
             config.num_key_value_heads * self.head_dim
         ] * 2
-        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.attention_bias)
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=bias)
 
     def forward(
         self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs
@@ -78,6 +79,14 @@ class FusedQKVLlamaAttention(LlamaAttention):
         )
         out, weights = interface(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
         return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+def fused_qkv_class(base: type[nn.Module]) -> type[nn.Module]:
+    """A fused-QKV subclass of a Llama-style attention class (``LlamaAttention``, ``Qwen2Attention``...)."""
+    return type(f"FusedQKV{base.__name__}", (_FusedQKVMixin, base), {})
+
+
+FusedQKVLlamaAttention = fused_qkv_class(LlamaAttention)
 
 
 class FusedGateUpLlamaMLP(nn.Module):

@@ -1,0 +1,115 @@
+"""Conversion errors at load time, with their messages pinned."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conversion_helpers import QKV, fused_qkv_class
+from safetensors.torch import load_file, save_file
+from test_conversion_load import _attention_class, _save_plain
+from transformers import AutoModelForCausalLM, modeling_utils
+
+from modelgraft import (
+    Concatenate,
+    ConversionShapeError,
+    MissingSourceKeyError,
+    StrictModeError,
+    WeightConverter,
+    patched,
+    report,
+)
+from modelgraft.conversion import rules
+
+FUSED = {"LlamaAttention": fused_qkv_class(_attention_class("llama"))}
+
+
+class _ThreeEqualParts(FUSED["LlamaAttention"]):
+    """Sized like the seed's attention (3 x heads x head_dim), which ignores grouped-query attention."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.qkv_proj = torch.nn.Linear(config.hidden_size, 3 * config.num_attention_heads * self.head_dim)
+
+
+@pytest.fixture(autouse=True)
+def _clean_conversions():
+    before = dict(rules._registry)
+    yield
+    rules._registry.clear()
+    rules._registry.update(before)
+
+
+def test_missing_source_key_names_the_converter_and_the_key(tmp_path):
+    _save_plain("llama", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.self_attn.v_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with (
+        patched(FUSED, conversions={"llama": [QKV]}),
+        pytest.raises(
+            MissingSourceKeyError,
+            match=r"Converter WeightConverter\(\['q_proj', 'k_proj', 'v_proj'\].*needs checkpoint key "
+            r"`model\.layers\.1\.self_attn\.v_proj\.weight` to build `model\.layers\.1\.self_attn\.qkv_proj\.weight`",
+        ),
+    ):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_shape_that_does_not_fit_the_target_names_both_shapes(tmp_path):
+    # (96, 32) cannot take q, k and v of grouped-query attention, (32 + 16 + 16, 32).
+    _save_plain("llama", tmp_path)
+    with (
+        patched({"LlamaAttention": _ThreeEqualParts}, conversions={"llama": [QKV]}),
+        pytest.raises(
+            ConversionShapeError,
+            match=r"produced shape \(64,\) for `model\.layers\.0\.self_attn\.qkv_proj\.bias`, but the model "
+            r"parameter has shape \(96,\)",
+        ),
+    ):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    # The failed load left no patch behind.
+    from transformers.models.llama import modeling_llama
+
+    assert modeling_llama.LlamaAttention.__name__ == "LlamaAttention"
+
+
+def test_target_no_converter_produced_is_reported_and_strict_raises(tmp_path):
+    _save_plain("llama", tmp_path)
+    wrong = WeightConverter(["wq", "wk", "wv"], ["qkv_proj"], [Concatenate(dim=0)])
+    with patched(FUSED, conversions={"llama": [wrong]}):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    rep = report(model)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in rep.unloaded_parameters
+    assert any(
+        "`model.layers.0.self_attn.qkv_proj.weight` was produced by no converter" in p
+        and "['wq', 'wk', 'wv']" in p
+        for p in rep.problems
+    )
+    with (
+        patched(FUSED, conversions={"llama": [wrong]}, strict=True),
+        pytest.raises(StrictModeError, match=r"qkv_proj"),
+    ):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_conversion_hooks_can_be_removed_and_reinstalled(tmp_path):
+    from modelgraft import conversion
+    from modelgraft.conversion import _transformers_hooks as hooks
+
+    _save_plain("llama", tmp_path)
+    assert hooks.installed()
+    conversion.uninstall()
+    try:
+        assert not hooks.installed()
+        assert not hasattr(modeling_utils.get_model_conversion_mapping, "__modelgraft_conversion_hook__")
+        with patched(FUSED, conversions={"llama": [QKV]}):
+            model = AutoModelForCausalLM.from_pretrained(tmp_path)
+        assert not report(model).conversions  # nothing converted without the hooks
+    finally:
+        conversion.install()
+        conversion.install()  # idempotent
+    assert hooks.installed()
+    with patched(FUSED, conversions={"llama": [QKV]}):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert len(report(model).conversions) == 4
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj.weight, torch.nn.Parameter)
