@@ -6,7 +6,7 @@ COMPAT_VENV ?= .venv-compat
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-compat lint format demo bench clean
+.PHONY: setup setup-compat test test-compat lint format demo bench clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ setup: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The same suite on transformers 4.57 (constraints-compat.txt), in its own venv; see docs/compat.md.
+setup-compat:
+	$(MAKE) setup VENV=$(COMPAT_VENV) CONSTRAINTS=constraints-compat.txt
 
 test-compat:
 	$(MAKE) test VENV=$(COMPAT_VENV) CONSTRAINTS=constraints-compat.txt

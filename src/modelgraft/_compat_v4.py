@@ -1,0 +1,221 @@
+"""transformers 4.57 specifics behind :mod:`modelgraft._compat` (imported only on 4.x).
+
+Output recorders: 4.57 keeps ``_can_record_outputs`` in a plain ``dict``,
+``transformers.utils.generic._CAN_RECORD_REGISTRY``, keyed by ``str(model.__class__)`` and read
+by the ``check_model_inputs`` decorator as ``registry.get(str(self.__class__), {})``: the
+instance never reaches the registry. To make recorders per instance, the registry is replaced
+(in ``transformers.utils.generic`` and ``transformers.modeling_utils``, the two modules that
+hold it) by a ``dict`` subclass with the same items whose ``get`` consults the tracked models
+whose forward is running in this thread or task (a ``ContextVar`` stack pushed and popped by
+forward hooks on those instances only).
+
+Construction: 4.57 has no ``apply_patches``; ``from_pretrained`` builds the model inside the
+contexts of ``get_init_context`` and ``_from_config`` calls ``cls(config)`` directly.
+
+MoE: in 4.57 the router of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (and others) is an
+``nn.Linear`` named ``gate`` inside the sparse-MoE block, whose forward does the softmax and
+top-k; the experts are an ``nn.ModuleList`` of per-expert MLPs.
+
+Example:
+    >>> from modelgraft import _compat
+    >>> _compat.TRANSFORMERS_MAJOR in (4, 5)
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+from torch import nn
+
+RECORD_REGISTRY_MODULE = "transformers.utils.generic"
+_ATTR = "_can_record_outputs"
+_HOOKS_ATTR = "_modelgraft_recorder_hooks"
+_STEP_MARK = "__modelgraft_construction_step__"
+_ROUTER_NAMES = ("gate", "router")
+_LOCK = threading.RLock()
+
+# Bound models whose forward is running, innermost last (per thread and per asyncio task).
+_RUNNING: ContextVar[tuple[nn.Module, ...]] = ContextVar("modelgraft_running_models", default=())
+
+
+def output_recorder_class() -> type:
+    """transformers' ``OutputRecorder``."""
+    from transformers.utils.generic import OutputRecorder
+
+    return OutputRecorder
+
+
+class _InstanceAwareRegistry(dict):
+    """``_CAN_RECORD_REGISTRY`` whose ``get`` prefers the recorders of a running, tracked model."""
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        for model in reversed(_RUNNING.get()):
+            own = model.__dict__.get(_ATTR)
+            if own is not None and str(type(model)) == key:
+                return own
+        return super().get(key, default)
+
+
+def _holders() -> list[Any]:
+    """The modules whose global ``_CAN_RECORD_REGISTRY`` transformers reads or writes."""
+    import transformers.modeling_utils as modeling_utils
+    from transformers.utils import generic
+
+    return [generic, modeling_utils]
+
+
+def recorder_lookup_installed() -> bool:
+    """See :func:`modelgraft._compat.recorder_lookup_installed`."""
+    return isinstance(_holders()[0]._CAN_RECORD_REGISTRY, _InstanceAwareRegistry)
+
+
+def install_recorder_lookup() -> None:
+    """See :func:`modelgraft._compat.install_recorder_lookup`.
+
+    The registry is a plain ``dict`` (its class cannot change in place), so both modules that
+    hold it get one replacement object with the same items.
+    """
+    with _LOCK:
+        holders = _holders()
+        current = holders[0]._CAN_RECORD_REGISTRY
+        if isinstance(current, _InstanceAwareRegistry):
+            return
+        replacement = _InstanceAwareRegistry(current)
+        for module in holders:
+            module._CAN_RECORD_REGISTRY = replacement
+
+
+def uninstall_recorder_lookup() -> None:
+    """See :func:`modelgraft._compat.uninstall_recorder_lookup`."""
+    with _LOCK:
+        holders = _holders()
+        current = holders[0]._CAN_RECORD_REGISTRY
+        if not isinstance(current, _InstanceAwareRegistry):
+            return
+        plain = dict(current)  # keeps what models built meanwhile registered
+        for module in holders:
+            module._CAN_RECORD_REGISTRY = plain
+
+
+def _push(model: nn.Module, args: Any) -> None:
+    _RUNNING.set((*_RUNNING.get(), model))
+
+
+def _pop(model: nn.Module, args: Any, output: Any) -> None:
+    running = _RUNNING.get()
+    # Remove the innermost entry for this model; a forward that raised still comes through here.
+    for i in range(len(running) - 1, -1, -1):
+        if running[i] is model:
+            _RUNNING.set(running[:i] + running[i + 1 :])
+            return
+
+
+def track_instance_recorders(model: nn.Module) -> None:
+    """See :func:`modelgraft._compat.track_instance_recorders`."""
+    with _LOCK:
+        if _HOOKS_ATTR not in model.__dict__:
+            model.__dict__[_HOOKS_ATTR] = (
+                model.register_forward_pre_hook(_push),
+                model.register_forward_hook(_pop, always_call=True),
+            )
+
+
+def _base() -> Any:
+    from transformers.modeling_utils import PreTrainedModel
+
+    return PreTrainedModel
+
+
+def construction_step_installed() -> bool:
+    """See :func:`modelgraft._compat.construction_step_installed`."""
+    return _STEP_MARK in _base().__dict__["get_init_context"].__func__.__dict__
+
+
+def install_construction_step(step: Callable[[], AbstractContextManager[Any]]) -> None:
+    """See :func:`modelgraft._compat.install_construction_step`.
+
+    4.57 ``from_pretrained`` enters the list returned by ``get_init_context`` right around
+    ``cls(config)``, so ``step()`` is appended to it. 4.57 ``_from_config`` only sets the default
+    dtype and calls ``cls(config)``, so ``step()`` wraps all of it: install this *before*
+    wrapping ``_from_config`` yourself, so that it runs inside your wrapper.
+    """
+    base = _base()
+    with _LOCK:
+        if construction_step_installed():
+            return
+        originals = {
+            "get_init_context": base.__dict__["get_init_context"].__func__,
+            "_from_config": base.__dict__["_from_config"].__func__,
+        }
+
+        def get_init_context(cls: type, *args: Any, **kwargs: Any) -> list:
+            return [*originals["get_init_context"](cls, *args, **kwargs), step()]
+
+        def _from_config(cls: type, *args: Any, **kwargs: Any) -> Any:
+            with step():
+                return originals["_from_config"](cls, *args, **kwargs)
+
+        for name, wrapper in (("get_init_context", get_init_context), ("_from_config", _from_config)):
+            functools.update_wrapper(wrapper, originals[name])
+            wrapper.__dict__[_STEP_MARK] = originals[name]
+            setattr(base, name, classmethod(wrapper))
+
+
+def uninstall_construction_step() -> None:
+    """See :func:`modelgraft._compat.uninstall_construction_step`.
+
+    Restores each method only where it is still this module's wrapper (undo your own wrapper of
+    ``_from_config`` first).
+    """
+    base = _base()
+    with _LOCK:
+        for name in ("get_init_context", "_from_config"):
+            original = base.__dict__[name].__func__.__dict__.get(_STEP_MARK)
+            if original is not None:
+                setattr(base, name, classmethod(original))
+
+
+def initialize_missing_keys(model: nn.Module, missing: set[str]) -> None:
+    """See :func:`modelgraft._compat.initialize_missing_keys`.
+
+    4.57 decides per module: a module is skipped when it carries ``_is_hf_initialized``, which
+    ``_initialize_missing_keys`` recomputes from the tensors' flags. Stale module flags (from a
+    construction that already ran ``init_weights``) are cleared first so that recomputation
+    is the only source.
+    """
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if key in missing:
+            tensor.__dict__.pop("_is_hf_initialized", None)
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)
+    with torch.no_grad():
+        model._initialize_missing_keys(sorted(missing), False)
+
+
+def moe_router_candidates(modules: Mapping[str, nn.Module]) -> Iterator[tuple[str, nn.Module, nn.Module]]:
+    """See :func:`modelgraft._compat.moe_router_candidates`.
+
+    A candidate is a child named ``gate`` or ``router`` with a 2D ``weight`` of one row per expert,
+    next to an ``experts`` ``ModuleList`` of that many experts.
+    """
+    for name, module in modules.items():
+        parent_name, _, leaf = name.rpartition(".")
+        if leaf not in _ROUTER_NAMES:
+            continue
+        parent = modules.get(parent_name)
+        experts = getattr(parent, "experts", None)
+        weight = getattr(module, "weight", None)
+        if (
+            isinstance(experts, nn.ModuleList)
+            and isinstance(weight, torch.Tensor)
+            and weight.dim() == 2
+            and weight.shape[0] == len(experts)
+        ):
+            yield name, module, parent

@@ -1,0 +1,150 @@
+"""transformers 5.x specifics behind :mod:`modelgraft._compat` (imported only on 5.x).
+
+Output recorders: 5.x keeps ``_can_record_outputs`` in ``_CAN_RECORD_REGISTRY``
+(``transformers.utils.output_capturing``), a ``dict`` subclass keyed by class name whose
+``get(model)`` receives the model instance, so a lookup that looks at the instance first is
+enough to make recorders per instance.
+
+Construction: ``from_pretrained`` and ``_from_config`` enter transformers' own ``apply_patches()``
+(a global of ``transformers.modeling_utils``) right around ``cls(config)``.
+
+Example:
+    >>> from modelgraft import _compat
+    >>> _compat.IS_V5 or True  # this module is only imported on 5.x
+    True
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+from torch import nn
+
+RECORD_REGISTRY_MODULE = "transformers.utils.output_capturing"
+_ATTR = "_can_record_outputs"
+# Shared with modelgraft.recorders, which installed the same lookup before this module existed.
+_MARK = "__modelgraft_instance_lookup__"
+_STEP_MARK = "__modelgraft_construction_step__"
+_LOCK = threading.RLock()
+
+
+def output_recorder_class() -> type:
+    """transformers' ``OutputRecorder``."""
+    from transformers.utils.output_capturing import OutputRecorder
+
+    return OutputRecorder
+
+
+def _registry() -> Any:
+    from transformers.utils import output_capturing
+
+    return output_capturing._CAN_RECORD_REGISTRY
+
+
+def recorder_lookup_installed() -> bool:
+    """See :func:`modelgraft._compat.recorder_lookup_installed`."""
+    return getattr(_registry().__dict__.get("get"), _MARK, False)
+
+
+def install_recorder_lookup() -> None:
+    """See :func:`modelgraft._compat.install_recorder_lookup`.
+
+    The registry is a ``dict`` subclass whose ``get(model)`` receives the instance; shadowing the
+    bound ``get`` on that one object (an instance attribute) changes no class and is easy to undo.
+    """
+    reg = _registry()
+    with _LOCK:
+        if reg.__dict__.get("get") is not None:
+            return
+        class_get = type(reg).get
+
+        def get(model: Any, *args: Any) -> dict:
+            own = getattr(model, "__dict__", {}).get(_ATTR) if not args else None
+            return own if own is not None else class_get(reg, model, *args)
+
+        setattr(get, _MARK, True)
+        reg.get = get
+
+
+def uninstall_recorder_lookup() -> None:
+    """See :func:`modelgraft._compat.uninstall_recorder_lookup`."""
+    reg = _registry()
+    with _LOCK:
+        if getattr(reg.__dict__.get("get"), _MARK, False):
+            del reg.get
+
+
+def track_instance_recorders(model: nn.Module) -> None:
+    """Nothing to do: the 5.x lookup receives the instance."""
+
+
+def _modeling_utils() -> Any:
+    from transformers import modeling_utils
+
+    return modeling_utils
+
+
+def construction_step_installed() -> bool:
+    """See :func:`modelgraft._compat.construction_step_installed`."""
+    return getattr(_modeling_utils().apply_patches, _STEP_MARK, False)
+
+
+def install_construction_step(step: Callable[[], AbstractContextManager[Any]]) -> None:
+    """See :func:`modelgraft._compat.install_construction_step`.
+
+    ``from_pretrained`` (through ``get_init_context``) and ``_from_config`` call the module global
+    ``apply_patches()`` of ``transformers.modeling_utils`` right around ``cls(config)``; replacing
+    that global puts ``step()`` exactly there, with transformers' own context still entered inside.
+    """
+    module = _modeling_utils()
+    with _LOCK:
+        if construction_step_installed():
+            return
+        builtin = module.apply_patches
+
+        @contextmanager
+        def construction_site(*args: Any, **kwargs: Any) -> Iterator[None]:
+            with step(), builtin(*args, **kwargs):
+                yield
+
+        setattr(construction_site, _STEP_MARK, True)
+        construction_site._modelgraft_builtin = builtin  # type: ignore[attr-defined]
+        module.apply_patches = construction_site
+
+
+def uninstall_construction_step() -> None:
+    """See :func:`modelgraft._compat.uninstall_construction_step`."""
+    module = _modeling_utils()
+    with _LOCK:
+        if construction_step_installed():
+            module.apply_patches = module.apply_patches._modelgraft_builtin
+
+
+def initialize_missing_keys(model: nn.Module, missing: set[str]) -> None:
+    """See :func:`modelgraft._compat.initialize_missing_keys`.
+
+    5.x initialisers (``transformers.initialization``) skip any tensor flagged
+    ``_is_hf_initialized``, so flagging every tensor that is not missing protects it even when
+    a module-level ``_init_weights`` touches it.
+    """
+    # Modules owning a missing tensor, and their ancestors, must run their init again.
+    to_init: set[str] = set()
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if key in missing:
+            tensor.__dict__.pop("_is_hf_initialized", None)
+            parts = key.split(".")[:-1]
+            to_init.update(".".join(parts[:i]) for i in range(len(parts) + 1))
+        else:
+            tensor._is_hf_initialized = True
+    for name, module in model.named_modules():
+        if name in to_init:
+            module.__dict__.pop("_is_hf_initialized", None)
+    model._initialize_missing_keys(False)
+
+
+def moe_router_candidates(modules: Mapping[str, nn.Module]) -> Iterator[tuple[str, nn.Module, nn.Module]]:
+    """See :func:`modelgraft._compat.moe_router_candidates`: every 5.x router has its own class."""
+    return iter(())

@@ -1,0 +1,276 @@
+"""The compatibility layer: supported versions, facts about the installed transformers, and the
+version-specific seams (missing-key init, per-instance output recorders, MoE router sites).
+
+Runs on both legs (``make test`` on 5.x, ``make test-compat`` on 4.57); each fact is checked
+against the installed transformers itself, so a wrong fact fails on the leg where it is wrong.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import inspect
+import re
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaModel, PreTrainedModel
+
+from _versions import IS_V5, requires_v4
+from modelgraft import UnsupportedTransformersError, _compat
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _llama_config(**overrides: object) -> LlamaConfig:
+    base = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=32,
+        attn_implementation="eager",
+    )
+    base.update(overrides)
+    return LlamaConfig(**base)
+
+
+# --- supported versions -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "version", ["4.57.0", "4.57.6", "4.57.0.dev0", "5.0.0", "5.0.0rc1", "5.23.0", "5.99.1"]
+)
+def test_supported_versions_pass(version: str) -> None:
+    _compat.check_supported(Version(version))
+    assert _compat.is_supported(version)
+
+
+@pytest.mark.parametrize("version", ["4.56.0", "4.56.2", "4.58.0", "4.46.3", "3.5.1", "6.0.0", "6.0.0.dev0"])
+def test_unsupported_versions_raise_with_the_supported_ranges(version: str) -> None:
+    with pytest.raises(
+        UnsupportedTransformersError,
+        match=rf"supports transformers >=4\.57,<4\.58 or >=5\.0,<6; found `{re.escape(version)}`",
+    ):
+        _compat.check_supported(Version(version))
+    assert not _compat.is_supported(version)
+
+
+def test_unsupported_error_is_an_import_error() -> None:
+    with pytest.raises(ImportError, match="pip install"):
+        _compat.check_supported("4.40.0")
+
+
+def test_importing_the_compat_module_under_an_unsupported_transformers_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Execute a fresh copy of the module, so the real one (already imported) stays untouched.
+    # (The module object in sys.modules is the one an import statement sees.)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.56.0")
+    spec = importlib.util.spec_from_file_location("_modelgraft_compat_probe", _compat.__file__)
+    assert spec is not None and spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, probe)  # dataclasses look their module up there
+    with pytest.raises(UnsupportedTransformersError, match=r"found `4\.56\.0`"):
+        spec.loader.exec_module(probe)
+
+
+def test_installed_version_is_supported_and_flags_agree() -> None:
+    assert _compat.is_supported(transformers.__version__)
+    assert _compat.TRANSFORMERS_VERSION == Version(transformers.__version__)
+    assert _compat.IS_V5 == (_compat.TRANSFORMERS_MAJOR == 5)
+
+
+def test_package_metadata_declares_the_supported_versions() -> None:
+    requirements = importlib.metadata.requires("modelgraft") or []
+    (spec,) = [r for r in requirements if re.match(r"transformers\b", r) and "extra" not in r]
+    specifiers = SpecifierSet(spec.removeprefix("transformers").strip())
+    for good in ("4.57.0", "4.57.6", "5.0.0", "5.23.0"):
+        assert good in specifiers, (good, spec)
+    for bad in ("4.56.2", "4.46.0", "6.0.0"):
+        assert bad not in specifiers, (bad, spec)
+
+
+def test_readme_and_docs_state_the_supported_ranges() -> None:
+    for doc in (ROOT / "README.md", ROOT / "docs" / "compat.md"):
+        assert _compat.SUPPORTED_RANGES in doc.read_text(), doc
+
+
+# --- facts, checked against the installed transformers -----------------------------------------
+
+
+def test_feature_flags_match_the_installed_modules() -> None:
+    assert _compat.HAS_BUILTIN_PATCHING == (
+        importlib.util.find_spec("transformers.monkey_patching") is not None
+    )
+    assert _compat.HAS_BUILTIN_CONVERSION == (
+        importlib.util.find_spec("transformers.core_model_loading") is not None
+    )
+
+
+def test_loading_internals_match_the_installed_source() -> None:
+    facts = _compat.loading_internals()
+    init_ctx = getattr(PreTrainedModel, facts.init_context_method)
+    assert callable(init_ctx)
+    assert facts.builtin_patch_context == ("apply_patches" in inspect.getsource(init_ctx))
+    assert facts.from_config_has_init_contexts == (
+        "init_contexts = [apply_patches()]" in inspect.getsource(PreTrainedModel._from_config)
+    )
+    params = inspect.signature(PreTrainedModel._initialize_missing_keys).parameters
+    assert facts.missing_keys_argument == ("missing_keys" in params)
+    assert facts.save_reverts_conversions == (
+        "revert_weight_conversion" in inspect.getsource(PreTrainedModel.save_pretrained)
+    )
+    registry_module = importlib.import_module(facts.record_registry_module)
+    assert hasattr(registry_module, "_CAN_RECORD_REGISTRY")
+    assert _compat.output_recorder_class() is registry_module.OutputRecorder
+
+
+# --- missing-key initialisation ------------------------------------------------------------------
+
+
+def test_initialize_missing_keys_initialises_only_the_missing_tensors() -> None:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_llama_config())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(7.0)
+    missing = {"model.layers.0.mlp.up_proj.weight", "model.norm.weight"}
+    _compat.initialize_missing_keys(model, missing)
+    state = model.state_dict()
+    up = state["model.layers.0.mlp.up_proj.weight"]
+    assert not torch.any(up == 7.0)
+    assert 0.0 < up.std().item() < 0.1  # initializer_range 0.02
+    assert torch.equal(state["model.norm.weight"], torch.ones_like(state["model.norm.weight"]))
+    for key, value in state.items():
+        if key not in missing and "rotary" not in key:
+            assert torch.all(value == 7.0), key
+
+
+# --- per-instance output recorders ---------------------------------------------------------------
+
+
+def _attentions(model: torch.nn.Module) -> int:
+    out = model(torch.tensor([[1, 2, 3, 4]]), output_attentions=True)
+    return len(out.attentions) if out.attentions is not None else 0
+
+
+def _only_layer0_attention() -> dict:
+    recorder = _compat.output_recorder_class()
+    attn_cls = type(LlamaModel(_llama_config(num_hidden_layers=1)).layers[0].self_attn)
+    return {"attentions": recorder(attn_cls, index=1, layer_name="layers.0")}
+
+
+def test_bound_recorders_apply_to_that_instance_only() -> None:
+    config = _llama_config()
+    bound, plain = LlamaModel(config), LlamaModel(config)
+    class_dict = LlamaModel._can_record_outputs
+    class_items = dict(class_dict)
+    _compat.bind_instance_recorders(bound, _only_layer0_attention())
+    assert _attentions(bound) == 1
+    assert _attentions(plain) == 2
+    assert _attentions(LlamaModel(config)) == 2  # built after the binding
+    assert LlamaModel._can_record_outputs is class_dict and dict(class_dict) == class_items
+    assert _compat.instance_recorders(plain) is None
+    assert set(_compat.instance_recorders(bound) or {}) == {"attentions"}
+    assert _compat.class_recorders(bound) == class_items
+
+
+def test_bound_recorders_survive_an_exception_in_forward() -> None:
+    config = _llama_config()
+    bound, plain = LlamaModel(config), LlamaModel(config)
+    _compat.bind_instance_recorders(bound, _only_layer0_attention())
+    with pytest.raises((IndexError, RuntimeError)):
+        bound(torch.tensor([[1, 2, 99]]), output_attentions=True)  # id 99 outside the vocabulary
+    assert _attentions(plain) == 2
+    assert _attentions(bound) == 1
+
+
+def test_bound_recorders_are_per_thread_while_running() -> None:
+    config = _llama_config()
+    bound, plain = LlamaModel(config), LlamaModel(config)
+    _compat.bind_instance_recorders(bound, _only_layer0_attention())
+    barrier = threading.Barrier(2)
+    counts: dict[str, list[int]] = {"bound": [], "plain": []}
+
+    def run(name: str, model: torch.nn.Module) -> None:
+        barrier.wait()
+        for _ in range(3):
+            counts[name].append(_attentions(model))
+
+    threads = [threading.Thread(target=run, args=(n, m)) for n, m in (("bound", bound), ("plain", plain))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert counts == {"bound": [1, 1, 1], "plain": [2, 2, 2]}
+
+
+@requires_v4
+def test_v4_registry_replacement_keeps_later_registrations() -> None:
+    from transformers import modeling_utils
+    from transformers.utils import generic
+
+    _compat.bind_instance_recorders(LlamaModel(_llama_config()), {})
+    assert generic._CAN_RECORD_REGISTRY is modeling_utils._CAN_RECORD_REGISTRY
+    from transformers import MistralConfig, MistralModel
+
+    MistralModel(
+        MistralConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=32,
+        )
+    )
+    assert str(MistralModel) in generic._CAN_RECORD_REGISTRY
+
+
+# --- MoE router sites ------------------------------------------------------------------------------
+
+_MOE = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        decoder_sparse_step=1,
+    ),
+    "qwen3_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1, head_dim=8
+    ),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(_MOE))
+def test_moe_router_candidates(model_type: str) -> None:
+    config = AutoConfig.for_model(
+        model_type,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=32,
+        **_MOE[model_type],
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    found = list(_compat.moe_router_candidates(dict(model.named_modules())))
+    if IS_V5:
+        assert found == []  # 5.x routers have their own classes, found by name in modelgraft.moe
+        return
+    assert [name for name, _, _ in found] == [f"model.layers.{i}.mlp.gate" for i in range(2)]
+    for _, router, parent in found:
+        assert isinstance(router, torch.nn.Linear) and router.out_features == 4
+        assert parent.gate is router and len(parent.experts) == 4
