@@ -75,13 +75,31 @@ _TINY: dict[str, Any] = {
 # What the generic table cannot know: fields whose valid value depends on the family.
 _FAMILY: dict[str, dict[str, Any]] = {
     # Multi-head latent attention: ranks and rope/nope split of the 16-wide heads.
-    "deepseek_v2": {"kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-                    "v_head_dim": 16, "num_key_value_heads": 4},
-    "deepseek_v3": {"kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-                    "v_head_dim": 16, "num_key_value_heads": 4},
+    "deepseek_v2": {
+        "kv_lora_rank": 16,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 16,
+        "num_key_value_heads": 4,
+    },
+    "deepseek_v3": {
+        "kv_lora_rank": 16,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 16,
+        "num_key_value_heads": 4,
+    },
     # Jamba: one attention layer and one MoE layer among the two.
-    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
-              "use_mamba_kernels": False, "mamba_dt_rank": 8},
+    "jamba": {
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+        "use_mamba_kernels": False,
+        "mamba_dt_rank": 8,
+    },
     # Models without grouped-query attention in their modeling code.
     "phi": {"num_key_value_heads": 4},
     "gpt_neox": {"num_key_value_heads": 4},
