@@ -54,7 +54,10 @@ def _clean_registry() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """Return ``make(model_type)``: a saved tiny checkpoint of that family (built once per session)."""
+    """Return ``make(model_type)``: a saved tiny checkpoint of that family (built once per session).
+
+    Call it before entering ``patched(...)``: the checkpoint is built under the patches in effect.
+    """
     made: dict[str, Path] = {}
 
     def make(model_type: str) -> Path:

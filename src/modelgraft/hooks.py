@@ -10,6 +10,9 @@
 * makes the construction step of those loads (transformers' ``apply_patches()`` call sites) bind
   the replacements, so the swap is live while modules are constructed and not while weights are
   loaded and initialised. transformers' own ``apply_patches`` still runs inside.
+* binds the original classes back while weights are initialised during construction
+  (``PreTrainedModel.initialize_weights``): modeling code chooses its init by ``isinstance``
+  against its module globals, which must name the originals then.
 * after the load: per-instance output recorders, the graft report, then strict mode.
 
 Example:
@@ -185,6 +188,16 @@ def _wrap_from_config(original: Callable[..., Any]) -> classmethod:
     return classmethod(_from_config)
 
 
+def _wrap_initialize_weights(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def initialize_weights(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with swap.suspended():
+            return original(self, *args, **kwargs)
+
+    setattr(initialize_weights, _MARK, original)
+    return initialize_weights
+
+
 @contextmanager
 def _construction_step(*args: Any, **kwargs: Any) -> Iterator[None]:
     """Stands in for transformers' ``apply_patches()`` at its construction call sites."""
@@ -218,6 +231,9 @@ def install() -> None:
         _originals["_from_config"] = base.__dict__["_from_config"].__func__
         base.from_pretrained = _wrap_from_pretrained(_originals["from_pretrained"])
         base._from_config = _wrap_from_config(_originals["_from_config"])
+        if "initialize_weights" in base.__dict__:
+            _originals["initialize_weights"] = base.__dict__["initialize_weights"]
+            base.initialize_weights = _wrap_initialize_weights(_originals["initialize_weights"])
         if getattr(module, "apply_patches", None) is not None:
             _originals["apply_patches"] = module.apply_patches
             module.apply_patches = _construction_step
@@ -233,6 +249,8 @@ def uninstall() -> None:
     if installed():
         base.from_pretrained = classmethod(_originals.pop("from_pretrained"))
         base._from_config = classmethod(_originals.pop("_from_config"))
+        if "initialize_weights" in _originals:
+            base.initialize_weights = _originals.pop("initialize_weights")
         if "apply_patches" in _originals:
             module.apply_patches = _originals.pop("apply_patches")
     recorders.uninstall_instance_lookup()

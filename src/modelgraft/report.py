@@ -15,7 +15,9 @@ Example:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -140,6 +142,44 @@ def _init_fills(model: torch.nn.Module, param_name: str) -> bool:
     return not bool(torch.isnan(probe._parameters[leaf]).all())
 
 
+def _resolve(qualified: str) -> type | None:
+    """The class named ``module.Qualname``, looked up in loaded modules only (nothing is imported)."""
+    for cut in range(qualified.count("."), 0, -1):
+        parts = qualified.split(".")
+        module = sys.modules.get(".".join(parts[:cut]))
+        if module is not None:
+            obj: object = module
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr, None)
+            return obj if isinstance(obj, type) else None
+    return None
+
+
+def _narrow(model: torch.nn.Module, replaced: ReplacedModule, children: set[str]) -> ReplacedModule:
+    """Pick, among ambiguous originals, the one whose instances have the dropped ``children``.
+
+    Each candidate is built on the meta device from the config of the sub-model holding it; only
+    reached when weights were dropped, so the cost stays off the normal load path.
+    """
+    candidates = replaced.original.split(" | ")
+    if len(candidates) == 1:
+        return replaced
+    config = getattr(_nearest_pretrained(model, replaced.path), "config", None)
+    fitting = []
+    for name in candidates:
+        cls = _resolve(name)
+        try:
+            with torch.device("meta"):
+                instance = cls(config)  # type: ignore[misc]
+        except Exception:  # a signature we cannot satisfy: keep the candidate out of the verdict
+            continue
+        if children <= {child for child, _ in instance.named_children()}:
+            fitting.append(name)
+    if len(fitting) != 1:
+        return replaced
+    return dataclasses.replace(replaced, original=fitting[0])
+
+
 def _short(qualified: str) -> str:
     return " | ".join(name.rpartition(".")[2] for name in qualified.split(" | "))
 
@@ -179,8 +219,9 @@ def diagnose_load(
     groups: dict[tuple[str, str, str], list[str]] = {}
     for path, keys in sorted(dropped.items()):
         rep.dropped_checkpoint_keys[path] = sorted(keys)
-        r = by_path[path]
+        r = by_path[path] = _narrow(model, by_path[path], {k[len(path) + 1 :].split(".")[0] for k in keys})
         groups.setdefault((r.original, r.replacement, r.key), []).append(path)
+    rep.replaced[:] = [by_path.get(r.path, r) for r in rep.replaced]
     for (original, replacement, key), group in groups.items():
         children = sorted({k[len(p) + 1 :].split(".")[0] for p in group for k in dropped[p]})
         count = sum(len(dropped[p]) for p in group)

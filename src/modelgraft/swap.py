@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType, TracebackType
 
 import torch
@@ -37,7 +39,16 @@ import torch
 from modelgraft.registry import Snapshot
 from modelgraft.report import ReplacedModule
 
-__all__ = ["LOCK", "STATS", "Swap", "add_scope_prefix", "in_scope_modules", "remove_scope_prefix"]
+__all__ = [
+    "LOCK",
+    "STATS",
+    "Swap",
+    "add_scope_prefix",
+    "in_scope_modules",
+    "remove_scope_prefix",
+    "replaced_modules",
+    "suspended",
+]
 
 #: Serialises every construction that runs under patches (and every load through the hooks), so a
 #: thread never builds from another thread's swapped classes. Re-entrant for nested loads.
@@ -57,6 +68,7 @@ _plan_cache: dict[tuple[object, ...], dict[str, tuple[tuple[str, str, type], ...
 _LIBRARY_ROOTS = ("builtins", "torch", "typing", "abc", "collections", "transformers")
 
 _Applied = tuple[ModuleType, str, type, type, str]  # module, attr, original, replacement, key
+_active: list[Swap] = []  # swaps currently bound, outermost first (changed under LOCK)
 
 
 def add_scope_prefix(prefix: str) -> None:
@@ -201,6 +213,7 @@ class Swap:
             return self
         if self._depth == 1:
             STATS["swaps"] += 1
+            _active.append(self)
             modules = sys.modules
             self._start = (len(modules), next(reversed(modules)))
         try:
@@ -247,12 +260,20 @@ class Swap:
                 self.replaced_by.setdefault(replacement, {})[original] = key
 
     def _restore(self) -> None:
+        if self in _active:
+            _active.remove(self)
         self._unbind_from_new_modules()
-        applied, self._applied = self._applied, []
+        self._rebind(originals=True)
+        self._applied = []
         self._covered.clear()
-        for module, attr, original, replacement, _key in reversed(applied):
-            if module.__dict__.get(attr) is replacement:
-                setattr(module, attr, original)
+
+    def _rebind(self, originals: bool) -> None:
+        """Bind the originals back (``originals=True``) or the replacements again, where unchanged."""
+        entries = reversed(self._applied) if originals else self._applied
+        for module, attr, original, replacement, _key in entries:
+            old, new = (replacement, original) if originals else (original, replacement)
+            if module.__dict__.get(attr) is old:
+                setattr(module, attr, new)
 
     def _unbind_from_new_modules(self) -> None:
         """Give modules imported during the block the originals they copied from swapped modules."""
@@ -277,26 +298,60 @@ class Swap:
                         setattr(module, attr, original)
 
 
+@contextmanager
+def suspended() -> Iterator[None]:
+    """Bind the original classes back for the duration of the block, then the replacements again.
+
+    Weight initialisation runs while the model is constructed, and modeling code picks its init
+    branch with ``isinstance(module, <module global>)``; it must see the originals, or a
+    replacement would be initialised as if it were the class it replaced.
+
+    Example:
+        >>> import torch
+        >>> from transformers.models.llama import modeling_llama
+        >>> from modelgraft import registry
+        >>> with registry.scoped({"LlamaMLP": torch.nn.Identity}) as snap, Swap(snap):
+        ...     with suspended():
+        ...         modeling_llama.LlamaMLP is torch.nn.Identity
+        ...     modeling_llama.LlamaMLP is torch.nn.Identity
+        False
+        True
+    """
+    active = list(_active)
+    for bound in reversed(active):
+        bound._rebind(originals=True)
+    try:
+        yield
+    finally:
+        for bound in active:
+            bound._rebind(originals=False)
+
+
 def replaced_modules(model: torch.nn.Module, swap: Swap) -> list[ReplacedModule]:
     """Return the modules of ``model`` built from a replacement bound by ``swap``.
 
-    When one replacement stood in for several originals (a broad pattern), the original is given
-    as the candidates joined with `` | ``.
+    When one replacement stood in for several originals (a broad pattern), the candidates are
+    narrowed to those defined next to the parent module's class and, if several remain, given
+    joined with `` | `` (the report's diagnostics narrow them further when weights were dropped).
     """
     found = []
-    for path, module in model.named_modules():
+    modules = dict(model.named_modules())
+    for path, module in modules.items():
         originals = swap.replaced_by.get(type(module))
         if not originals:
             continue
         names = sorted(originals)
-        keys = sorted(set(originals.values()))
+        if len(names) > 1:
+            parent = modules.get(path.rpartition(".")[0])
+            home = type(parent).__module__ + "." if parent is not None else ""
+            names = [n for n in names if n.startswith(home)] or names
         replacement = type(module)
         found.append(
             ReplacedModule(
                 path=path,
                 original=" | ".join(names),
                 replacement=f"{replacement.__module__}.{replacement.__qualname__}",
-                key=" | ".join(keys),
+                key=" | ".join(sorted({originals[n] for n in names})),
             )
         )
     return found
