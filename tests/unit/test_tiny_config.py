@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families import FAMILIES, family_params
 
+from families import FAMILIES, family_params
 from modelgraft.testing import UnknownModelTypeError, tiny_config, tiny_overrides
 
 
