@@ -43,6 +43,7 @@ from modelgraft.registry import (
     unregister_patch_mapping,
 )
 from modelgraft.report import GraftReport, report
+from modelgraft.verify import VerifyReport, verify
 
 __version__ = "0.1.0"
 
@@ -66,6 +67,7 @@ __all__ = [
     "StrictModeError",
     "Transpose",
     "UnsupportedTransformersError",
+    "VerifyReport",
     "WeightConverter",
     "WeightRenaming",
     "__version__",
@@ -81,6 +83,7 @@ __all__ = [
     "report",
     "unregister_checkpoint_conversion_mapping",
     "unregister_patch_mapping",
+    "verify",
 ]
 
 from modelgraft import hooks as _hooks  # installed last, once every part is imported

@@ -21,6 +21,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -44,6 +45,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
     parser = _parser()
     args = parser.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    # Progress bars and load warnings would interleave with the tables (and break --json on stdout
+    # for tools that merge the streams).
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
     try:
         overlay = args.command != "verify"  # verify builds its own plain and grafted models
         with _extra_keys(args.key or [] if overlay else [], args.graft or [] if overlay else []):
@@ -120,7 +127,7 @@ def _extra_keys(keys: list[str], grafts: list[str]) -> Iterator[None]:
 
     mapping: dict[str, type[torch.nn.Module]] = {}
     for ref in grafts:
-        mapping.update(_graft_mapping(import_object(ref), ref))
+        mapping.update(_load_graft(ref).mapping)
     for key in keys:
         mapping.setdefault(key, _GivenKey)
     if not mapping:
@@ -132,14 +139,19 @@ def _extra_keys(keys: list[str], grafts: list[str]) -> Iterator[None]:
         yield
 
 
-def _graft_mapping(obj: object, ref: str) -> dict[str, type[torch.nn.Module]]:
-    mapping = getattr(obj, "mapping", obj)
-    if not isinstance(mapping, dict):
+def _load_graft(ref: str) -> Any:
+    """Resolve ``--graft``: a bundle with ``.mapping``, a factory returning one, or a mapping dict."""
+    obj = import_object(ref)
+    if not hasattr(obj, "mapping") and callable(obj) and not isinstance(obj, type):
+        obj = obj()  # a graft factory such as `modelgraft.grafts:fused_qkv` (all its families)
+    if isinstance(obj, dict):
+        return SimpleNamespace(mapping=obj, conversions=None)
+    if not isinstance(getattr(obj, "mapping", None), dict):
         raise TargetError(
-            f"`{ref}` is a `{type(obj).__name__}`; expected a graft bundle with a `.mapping` dict "
-            "or a mapping dict of key -> nn.Module subclass."
+            f"`{ref}` is a `{type(obj).__name__}`; expected a graft bundle with a `.mapping` dict (and "
+            "`.conversions`), a function returning one, or a mapping dict of key -> nn.Module subclass."
         )
-    return mapping
+    return obj
 
 
 def _key_candidates(class_name: str) -> dict[str, Any]:
@@ -308,7 +320,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from modelgraft.verify import verify
 
     _run_imports(args.imports)
-    bundles = [import_object(ref) for ref in args.graft or ()]
+    bundles = [_load_graft(ref) for ref in args.graft or ()]
     result = verify(args.target, graft=bundles or None, atol=args.atol, seed=args.seed)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))

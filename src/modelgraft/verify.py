@@ -1,0 +1,439 @@
+"""Check that a graft keeps a model what it was: :func:`verify` and :class:`VerifyReport`.
+
+One verdict per check, in this order (a check that cannot run because an earlier one failed
+fails with the reason):
+
+``builds``
+    the grafted model loads from the checkpoint and at least one module was replaced.
+``all_weights_loaded``
+    every parameter comes from the checkpoint: none missing, none left at random init. Besides
+    what the load reports, the grafted model is loaded a second time under another seed; a
+    parameter that differs between the two loads was initialised, not loaded.
+``logits_match`` / ``hidden_states_match``
+    the same input through the plain and the grafted model gives the same logits and hidden
+    states within ``atol`` (fp32 by default).
+``save_roundtrip``
+    ``save_pretrained`` of the grafted model writes the original checkpoint again: the same keys
+    with bit-identical tensors, and a plain transformers load of it gives the plain model's tensors.
+
+The target is a model type (a tiny config from :func:`modelgraft.testing.tiny_config` and a
+temporary checkpoint, all offline), a config, or a local checkpoint folder.
+
+Example:
+    >>> from modelgraft import verify
+    >>> from modelgraft.grafts import fused_qkv
+    >>> result = verify("llama", graft=fused_qkv("llama"))
+    >>> result.passed, [c.name for c in result.checks]
+    (True, ['builds', 'all_weights_loaded', 'logits_match', 'hidden_states_match', 'save_roundtrip'])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from transformers import PretrainedConfig
+
+from modelgraft._target import model_class_for, resolve_config
+from modelgraft.report import report
+
+__all__ = ["Check", "VerifyReport", "verify"]
+
+CHECKS = ("builds", "all_weights_loaded", "logits_match", "hidden_states_match", "save_roundtrip")
+
+
+@dataclass(frozen=True)
+class Check:
+    """One verdict: the check's name, whether it passed, and what was seen."""
+
+    name: str
+    passed: bool
+    detail: str
+
+
+@dataclass
+class VerifyReport:
+    """The verdicts of :func:`verify`, one :class:`Check` per check, in order."""
+
+    target: str
+    model_class: str
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        """True when every check passed."""
+        return bool(self.checks) and all(c.passed for c in self.checks)
+
+    def __getitem__(self, name: str) -> Check:
+        for check in self.checks:
+            if check.name == name:
+                return check
+        raise KeyError(f"No check named `{name}`; checks are {[c.name for c in self.checks]}.")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (what ``modelgraft verify --json`` prints)."""
+        return {
+            "target": self.target,
+            "model_class": self.model_class,
+            "passed": self.passed,
+            "checks": [asdict(c) for c in self.checks],
+        }
+
+    def format_table(self) -> str:
+        """The verdicts as an aligned text table, with a final summary line.
+
+        Example:
+            >>> print(VerifyReport("llama", "LlamaForCausalLM", [Check("builds", True, "2 modules")]).format_table())
+            verify llama (LlamaForCausalLM)
+            CHECK   RESULT  DETAIL
+            builds  PASS    2 modules
+            all 1 checks passed
+        """
+        width = max([len("CHECK"), *(len(c.name) for c in self.checks)])
+        lines = [f"verify {self.target} ({self.model_class})", f"{'CHECK'.ljust(width)}  RESULT  DETAIL"]
+        for c in self.checks:
+            lines.append(f"{c.name.ljust(width)}  {'PASS' if c.passed else 'FAIL'}    {c.detail}")
+        failed = [c.name for c in self.checks if not c.passed]
+        lines.append(
+            f"all {len(self.checks)} checks passed" if not failed else f"FAILED: {', '.join(failed)}"
+        )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format_table()
+
+
+def verify(
+    target: str | Path | PretrainedConfig,
+    mapping: Mapping[str, type[torch.nn.Module]] | None = None,
+    conversions: Mapping[str, Sequence[Any]] | None = None,
+    *,
+    graft: Any = None,
+    atol: float = 1e-5,
+    rtol: float = 0.0,
+    seed: int = 0,
+    model_class: type | None = None,
+    workdir: str | Path | None = None,
+) -> VerifyReport:
+    """Load ``target`` plain and grafted, and check that the graft changes nothing but the classes.
+
+    Args:
+        target: a model type (``"llama"``; a tiny config and checkpoint are made), a
+            ``PretrainedConfig`` (a checkpoint is made from it), or a local checkpoint folder.
+        mapping: patch mapping of the graft, as for ``patched``.
+        conversions: ``{model_type_or_class_name: [WeightConverter, ...]}`` of the graft.
+        graft: a ready-made graft (anything with ``.mapping`` and ``.conversions``) or a list of
+            them, added to ``mapping``/``conversions``. With no mapping, conversions or graft, the
+            globally registered patches are verified.
+        atol: absolute tolerance of the output comparisons.
+        rtol: relative tolerance of the output comparisons.
+        seed: seed of the tiny checkpoint's weights and of the input ids.
+        model_class: the class to load (default: the config's architecture, else its causal LM).
+        workdir: where to write checkpoints (default: a temporary folder, removed afterwards).
+
+    Returns:
+        A :class:`VerifyReport`; ``report.passed`` is True when every check passed.
+    """
+    mapping, conversions = _merge_grafts(mapping, conversions, graft)
+    config, checkpoint = _resolve(target)
+    cls = model_class or model_class_for(config)
+    result = VerifyReport(str(getattr(target, "model_type", target)), cls.__name__)
+    with _workdir(workdir) as work, _quiet():
+        _run(result, cls, config, checkpoint, work, mapping, conversions, atol, rtol, seed)
+    return result
+
+
+# ---- inputs ---------------------------------------------------------------------------------------
+def _merge_grafts(
+    mapping: Mapping[str, type[torch.nn.Module]] | None,
+    conversions: Mapping[str, Sequence[Any]] | None,
+    graft: Any,
+) -> tuple[dict | None, dict | None]:
+    bundles = [] if graft is None else list(graft) if isinstance(graft, list | tuple) else [graft]
+    if len(bundles) > 1 and all(hasattr(b, "__add__") and hasattr(b, "model_types") for b in bundles):
+        combined = bundles[0]
+        for b in bundles[1:]:
+            combined = combined + b  # ready-made grafts fold transformers' built-ins in once
+        bundles = [combined]
+    if mapping is None and conversions is None and not bundles:
+        return None, None
+    merged_map: dict = dict(mapping or {})
+    merged_conv: dict = {k: list(v) for k, v in (conversions or {}).items()}
+    for b in bundles:
+        merged_map.update(getattr(b, "mapping", {}) or {})
+        for key, convs in (getattr(b, "conversions", {}) or {}).items():
+            merged_conv.setdefault(key, []).extend(convs)
+    return merged_map, merged_conv or None
+
+
+def _resolve(target: str | Path | PretrainedConfig) -> tuple[PretrainedConfig, Path | None]:
+    if isinstance(target, str) and not Path(target).expanduser().exists():
+        from modelgraft.testing import tiny_config
+
+        return tiny_config(target), None
+    return resolve_config(target)
+
+
+@contextlib.contextmanager
+def _workdir(workdir: str | Path | None) -> Iterator[Path]:
+    if workdir is not None:
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        yield Path(workdir)
+        return
+    with tempfile.TemporaryDirectory(prefix="modelgraft-verify-") as tmp:
+        yield Path(tmp)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """No progress bars for the half-dozen loads and saves of one verification."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _grafting(mapping: dict | None, conversions: dict | None) -> Iterator[None]:
+    if mapping is None and conversions is None:
+        yield  # verify what is registered globally
+        return
+    from modelgraft import patched
+
+    with patched(mapping or {}, conversions=conversions):
+        yield
+
+
+# ---- the checks -------------------------------------------------------------------------------------
+def _run(
+    result: VerifyReport,
+    cls: type,
+    config: PretrainedConfig,
+    checkpoint: Path | None,
+    work: Path,
+    mapping: dict | None,
+    conversions: dict | None,
+    atol: float,
+    rtol: float,
+    seed: int,
+) -> None:
+    checks = result.checks
+    try:
+        plain, checkpoint = _plain_model(cls, config, checkpoint, work, seed)
+    except Exception as exc:
+        checks.append(
+            Check("builds", False, f"the plain model could not be built: {type(exc).__name__}: {exc}")
+        )
+        return _skip_rest(checks, "the plain model could not be built")
+
+    try:
+        with _grafting(mapping, conversions):
+            torch.manual_seed(seed + 1)
+            grafted, info = cls.from_pretrained(checkpoint, dtype=torch.float32, output_loading_info=True)
+    except Exception as exc:
+        checks.append(Check("builds", False, f"{type(exc).__name__}: {exc}"))
+        return _skip_rest(checks, "the grafted model did not build")
+    grafted.eval()
+    checks.append(_check_builds(grafted))
+
+    try:
+        with _grafting(mapping, conversions):
+            torch.manual_seed(seed + 2)
+            second = cls.from_pretrained(checkpoint, dtype=torch.float32)
+        checks.append(_check_loaded(grafted, second, info))
+        del second
+    except Exception as exc:
+        checks.append(Check("all_weights_loaded", False, f"second load failed: {type(exc).__name__}: {exc}"))
+
+    checks.extend(_check_outputs(plain, grafted, config, atol, rtol, seed))
+    checks.append(_check_roundtrip(cls, plain, grafted, checkpoint, work))
+
+
+def _skip_rest(checks: list[Check], why: str) -> None:
+    done = {c.name for c in checks}
+    checks.extend(Check(name, False, f"not run: {why}") for name in CHECKS if name not in done)
+
+
+def _plain_model(
+    cls: type, config: PretrainedConfig, checkpoint: Path | None, work: Path, seed: int
+) -> tuple[torch.nn.Module, Path]:
+    """The reference model and the checkpoint both models load from.
+
+    Without a checkpoint, the reference is built by its constructor (which no patch reaches: only
+    loads are patched) and saved; it holds exactly the checkpoint's tensors.
+    """
+    if checkpoint is None:
+        torch.manual_seed(seed)
+        plain = cls(config).to(torch.float32).eval()
+        checkpoint = work / "original"
+        plain.save_pretrained(checkpoint)
+        return plain, checkpoint
+    plain = cls.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    if report(plain).replaced:
+        raise RuntimeError(
+            "the plain reference load was patched by globally registered patches "
+            f"({len(report(plain).replaced)} modules replaced); pass the graft as `mapping=`/`graft=` instead "
+            "of registering it globally"
+        )
+    return plain, checkpoint
+
+
+def _check_builds(grafted: torch.nn.Module) -> Check:
+    replaced = report(grafted).replaced
+    if not replaced:
+        keys = report(grafted).unmatched_keys
+        hint = f"; keys matching nothing: {', '.join(f'`{k}`' for k in keys)}" if keys else ""
+        return Check("builds", False, f"built, but no module was replaced{hint}")
+    counts: dict[str, int] = {}
+    for r in replaced:
+        pair = f"{r.original.rsplit('.', 1)[-1]} -> {r.replacement.rsplit('.', 1)[-1]}"
+        counts[pair] = counts.get(pair, 0) + 1
+    summary = ", ".join(f"{pair} x{n}" for pair, n in counts.items())
+    return Check("builds", True, f"{len(replaced)} modules replaced: {summary}")
+
+
+def _check_loaded(grafted: torch.nn.Module, second: torch.nn.Module, info: dict | None) -> Check:
+    rep = report(grafted)
+    problems: list[str] = []
+    missing = sorted((info or {}).get("missing_keys", ()))
+    if missing:
+        problems.append(f"missing from the checkpoint: {_few(missing)}")
+    if rep.unloaded_parameters:
+        problems.append(f"uninitialised: {_few(rep.unloaded_parameters)}")
+    dropped = sorted(k for keys in rep.dropped_checkpoint_keys.values() for k in keys)
+    if dropped:
+        problems.append(f"checkpoint keys nothing took: {_few(dropped)}")
+    other = dict(second.named_parameters())
+    differing = [n for n, p in grafted.named_parameters() if n in other and not torch.equal(p, other[n])]
+    if differing:
+        problems.append(f"differ between two loads (random init): {_few(differing)}")
+    total = sum(1 for _ in grafted.parameters())
+    if problems:
+        return Check("all_weights_loaded", False, "; ".join(problems))
+    return Check("all_weights_loaded", True, f"{total} parameters loaded, identical across two loads")
+
+
+def _few(names: Sequence[str], n: int = 4) -> str:
+    shown = ", ".join(f"`{x}`" for x in names[:n])
+    return shown + (f" (+{len(names) - n} more)" if len(names) > n else "")
+
+
+def _check_outputs(
+    plain: torch.nn.Module,
+    grafted: torch.nn.Module,
+    config: PretrainedConfig,
+    atol: float,
+    rtol: float,
+    seed: int,
+) -> list[Check]:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = int(getattr(text, "vocab_size", 0) or 128)
+    ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(seed))
+    try:
+        with torch.no_grad():
+            ref = plain(input_ids=ids, output_hidden_states=True)
+            out = grafted(input_ids=ids, output_hidden_states=True)
+    except Exception as exc:
+        why = f"forward failed: {type(exc).__name__}: {exc}"
+        return [Check("logits_match", False, why), Check("hidden_states_match", False, why)]
+    ref_logits = _first(ref, "logits", "last_hidden_state")
+    logits = _first(out, "logits", "last_hidden_state")
+    checks = [_compare("logits_match", [ref_logits], [logits], atol, rtol)]
+    ref_hidden, hidden = getattr(ref, "hidden_states", None), getattr(out, "hidden_states", None)
+    if ref_hidden is None or hidden is None:
+        checks.append(
+            Check("hidden_states_match", True, "the model returns no hidden states; nothing to compare")
+        )
+    else:
+        checks.append(_compare("hidden_states_match", list(ref_hidden), list(hidden), atol, rtol))
+    return checks
+
+
+def _first(output: Any, *names: str) -> torch.Tensor:
+    for name in names:
+        value = getattr(output, name, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    return output[0]
+
+
+def _compare(name: str, ref: list[torch.Tensor], got: list[torch.Tensor], atol: float, rtol: float) -> Check:
+    if len(ref) != len(got):
+        return Check(name, False, f"expected {len(ref)} tensors, received {len(got)}")
+    worst, bad = 0.0, []
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a.shape != b.shape:
+            return Check(
+                name, False, f"tensor {i}: expected shape {tuple(a.shape)}, received {tuple(b.shape)}"
+            )
+        diff = (a.float() - b.float()).abs()
+        worst = max(worst, diff.max().item())
+        if bool((diff > atol + rtol * a.float().abs()).any()):
+            bad.append(i)
+    what = f"{len(ref)} tensors" if len(ref) > 1 else f"shape {tuple(ref[0].shape)}"
+    detail = f"max |diff| {worst:.2e} over {what} (atol {atol:g}" + (f", rtol {rtol:g})" if rtol else ")")
+    if bad:
+        return Check(name, False, detail + (f"; out of tolerance: tensors {bad}" if len(ref) > 1 else ""))
+    return Check(name, True, detail)
+
+
+def _check_roundtrip(
+    cls: type, plain: torch.nn.Module, grafted: torch.nn.Module, checkpoint: Path, work: Path
+) -> Check:
+    name = "save_roundtrip"
+    resaved = work / "resaved"
+    try:
+        grafted.save_pretrained(resaved)
+    except Exception as exc:
+        return Check(name, False, f"save_pretrained failed: {type(exc).__name__}: {exc}")
+    original, written = _read_tensors(checkpoint), _read_tensors(resaved)
+    if set(original) != set(written):
+        lost, extra = sorted(set(original) - set(written)), sorted(set(written) - set(original))
+        parts = [f"missing {_few(lost)}" if lost else "", f"unexpected {_few(extra)}" if extra else ""]
+        return Check(
+            name, False, "saved keys differ from the checkpoint's: " + "; ".join(p for p in parts if p)
+        )
+    # A checkpoint stored in another dtype was loaded as fp32; cast back before comparing bits.
+    changed = [k for k, t in original.items() if not torch.equal(written[k].to(t.dtype), t)]
+    if changed:
+        return Check(name, False, f"{len(changed)} saved tensors differ from the checkpoint: {_few(changed)}")
+    try:
+        reloaded = _plain_load(cls, resaved)
+    except Exception as exc:
+        return Check(
+            name, False, f"plain transformers could not load the saved model: {type(exc).__name__}: {exc}"
+        )
+    expected, got = plain.state_dict(), reloaded.state_dict()
+    differ = sorted(k for k in expected if k not in got or not torch.equal(expected[k], got[k]))
+    if differ or set(got) - set(expected):
+        return Check(name, False, f"plain reload differs from the plain model: {_few(differ or sorted(got))}")
+    return Check(
+        name,
+        True,
+        f"{len(original)} checkpoint tensors written back bit-identical; plain reload equals the plain model",
+    )
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def _plain_load(cls: type, folder: Path) -> torch.nn.Module:
+    model = cls.from_pretrained(folder, dtype=torch.float32)
+    if report(model).replaced:
+        raise RuntimeError("globally registered patches applied to the plain reload; unregister them first")
+    return model
