@@ -190,3 +190,48 @@ def test_a_plain_load_ignores_a_registered_conversion(tmp_path):
         model, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not report(model).conversions
     torch.testing.assert_close(model.eval()(X).logits, plain(X).logits, atol=0, rtol=0)
+
+
+def _tiny_llava_config():
+    text = {**TINY, "model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2}
+    vision = dict(
+        model_type="clip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        image_size=16,
+        patch_size=8,
+        projection_dim=32,
+    )
+    return AutoConfig.for_model(
+        "llava", text_config=text, vision_config=vision, image_token_index=127, vocab_size=128
+    )
+
+
+def test_composite_model_resolves_the_entry_per_sub_model(tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from modelgraft.conversion.load import resolve_scopes
+
+    torch.manual_seed(0)
+    plain = AutoModelForImageTextToText.from_config(_tiny_llava_config()).eval()
+    plain.save_pretrained(tmp_path / "src")
+    # transformers writes llava's legacy layout (`language_model.model.*`); the converter must see through it.
+    assert "language_model.model.layers.0.self_attn.q_proj.weight" in _checkpoint_tensors(tmp_path / "src")
+    attn = _attention_class("llama")
+    with patched({attn.__name__: fused_qkv_class(attn)}, conversions={"llama": [QKV]}):
+        model, info = AutoModelForImageTextToText.from_pretrained(tmp_path / "src", output_loading_info=True)
+        scopes = resolve_scopes(model)
+    assert [(s.path, s.key) for s in scopes] == [("model.language_model", "llama")]
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    targets = {r.target_keys[0] for r in report(model).conversions}
+    assert "model.language_model.layers.1.self_attn.qkv_proj.weight" in targets
+    ids = X.clamp(max=120)
+    torch.testing.assert_close(
+        model.eval()(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-5, rtol=0
+    )
+    model.save_pretrained(tmp_path / "out")
+    written, original = _checkpoint_tensors(tmp_path / "out"), _checkpoint_tensors(tmp_path / "src")
+    assert sorted(written) == sorted(original)
+    assert all(torch.equal(written[k], original[k]) for k in original)

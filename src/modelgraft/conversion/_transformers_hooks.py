@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from transformers import conversion_mapping as _tcm
+from transformers import core_model_loading as _tcore
 from transformers import modeling_utils as _mu
 
 from modelgraft.conversion import load as _load
@@ -95,6 +96,14 @@ def _device_for(device_map: dict | None):
     return device_for
 
 
+def _renamer(weight_mapping: list) -> Any:
+    """The loader's own key renamings (not its converters), as one ``str -> str`` function."""
+    renamings = [t for t in weight_mapping if isinstance(t, _tcore.WeightRenaming)]
+    if not renamings:
+        return None
+    return lambda key: _tcore.apply_renamings(key, renamings)
+
+
 def _wrap_load_pretrained_model(original: Any) -> staticmethod:
     @functools.wraps(original)
     def _load_pretrained_model(
@@ -108,6 +117,7 @@ def _wrap_load_pretrained_model(original: Any) -> staticmethod:
                 loading_info.missing_keys,
                 loading_info.unexpected_keys,
                 _device_for(getattr(load_config, "device_map", None)),
+                _renamer(getattr(load_config, "weight_mapping", None) or []),
             )
         return loading_info, offload_index
 
@@ -137,15 +147,14 @@ def _wrap_revert(original: Any) -> Any:
             return original(model, state_dict)
         converted, untouched, scopes = reversed_
         rest = {k: state_dict[k] for k in untouched}
+        rest.update(converted)
         root_claimed = any(not s.path for s in scopes)
         # A root entry is the model's whole mapping: without load-time transforms to undo,
-        # transformers would rebuild its built-in ones from the registry, so skip it.
+        # transformers would rebuild its built-in ones from the registry, so skip it. Otherwise
+        # its remaining transforms (renamings of legacy layouts, other sub-models) still apply.
         if root_claimed and getattr(model, "_weight_conversions", None) is None:
-            out = rest
-        else:
-            out = original(model, rest)
-        out.update(converted)
-        return out
+            return rest
+        return original(model, rest)
 
     setattr(revert_weight_conversion, _MARK, original)
     return revert_weight_conversion

@@ -166,11 +166,14 @@ def apply_load_conversions(
     missing_keys: set[str],
     unexpected_keys: set[str],
     device_for: Callable[[str], torch.device | str] = lambda _key: "cpu",
+    rename: Callable[[str], str] | None = None,
 ) -> ConversionState | None:
     """Fill ``missing_keys`` of ``model`` that a registered converter can produce, in place.
 
     Converted targets are removed from ``missing_keys`` and consumed sources from
-    ``unexpected_keys``. Returns the state saved on the model, or ``None`` when no entry applies.
+    ``unexpected_keys``. ``rename`` maps a checkpoint key through the loader's own renamings
+    (legacy layouts such as ``language_model.model.*``) before the base-model prefix is adjusted.
+    Returns the state saved on the model, or ``None`` when no entry applies.
 
     Raises:
         MissingSourceKeyError: a group finds only some of its source keys.
@@ -186,7 +189,11 @@ def apply_load_conversions(
     params = dict(model.named_parameters(remove_duplicate=False))
     params.update(dict(model.named_buffers(remove_duplicate=False)))
     index = checkpoint_index(checkpoint_files)
-    to_model = _key_translation(model, set(params), index)
+    renamed = {k: rename(k) for k in index} if rename is not None else {k: k for k in index}
+    to_model = {}
+    by_renamed = _key_translation(model, set(params), renamed.values())
+    for ckpt_key, new_key in renamed.items():
+        to_model[ckpt_key] = by_renamed[new_key]
     to_ckpt = {m: c for c, m in to_model.items()}
     rep = _report_for(model)
 
