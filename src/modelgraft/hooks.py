@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from modelgraft import recorders, registry, swap
+from modelgraft import _compat, recorders, registry, swap
 from modelgraft.registry import Snapshot
 from modelgraft.report import _report_for, check_strict, diagnose_load, strict_requested
 
@@ -199,13 +199,12 @@ def _wrap_initialize_weights(original: Callable[..., Any]) -> Callable[..., Any]
 
 
 @contextmanager
-def _construction_step(*args: Any, **kwargs: Any) -> Iterator[None]:
-    """Stands in for transformers' ``apply_patches()`` at its construction call sites."""
-    builtin = _originals["apply_patches"]
+def _construction_step() -> Iterator[None]:
+    """Entered by transformers right around construction (``_compat.install_construction_step``)."""
     load = _active_load.get()
     with swap.LOCK:
         active = load.swap if load is not None else swap.Swap(registry.snapshot())
-        with active, builtin(*args, **kwargs):
+        with active:
             yield
 
 
@@ -225,8 +224,10 @@ def installed() -> bool:
 
 def install() -> None:
     """Install the load hooks and the per-instance recorder lookup (idempotent)."""
-    base, module = _targets()
+    base, _ = _targets()
     if not installed():
+        # Before wrapping _from_config: on transformers 4.57 the step wraps it underneath.
+        _compat.install_construction_step(_construction_step)
         _originals["from_pretrained"] = base.__dict__["from_pretrained"].__func__
         _originals["_from_config"] = base.__dict__["_from_config"].__func__
         base.from_pretrained = _wrap_from_pretrained(_originals["from_pretrained"])
@@ -234,9 +235,6 @@ def install() -> None:
         if "initialize_weights" in base.__dict__:
             _originals["initialize_weights"] = base.__dict__["initialize_weights"]
             base.initialize_weights = _wrap_initialize_weights(_originals["initialize_weights"])
-        if getattr(module, "apply_patches", None) is not None:
-            _originals["apply_patches"] = module.apply_patches
-            module.apply_patches = _construction_step
     recorders.install_instance_lookup()
     conversion = _conversion_package()
     if conversion is not None:
@@ -245,14 +243,13 @@ def install() -> None:
 
 def uninstall() -> None:
     """Remove everything :func:`install` added (idempotent)."""
-    base, module = _targets()
+    base, _ = _targets()
     if installed():
         base.from_pretrained = classmethod(_originals.pop("from_pretrained"))
         base._from_config = classmethod(_originals.pop("_from_config"))
         if "initialize_weights" in _originals:
             base.initialize_weights = _originals.pop("initialize_weights")
-        if "apply_patches" in _originals:
-            module.apply_patches = _originals.pop("apply_patches")
+        _compat.uninstall_construction_step()
     recorders.uninstall_instance_lookup()
     conversion = _conversion_package()
     if conversion is not None:

@@ -24,49 +24,27 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from modelgraft import registry
+from modelgraft import _compat, registry
 from modelgraft.registry import Snapshot
 
 __all__ = ["install_instance_lookup", "patch_output_recorders", "uninstall_instance_lookup"]
 
 _ATTR = "_can_record_outputs"
-_MARK = "__modelgraft_instance_lookup__"
 
 
-# ---- transformers-version-specific part: where the recorders are read ---------------------------
-def _recorder_registry() -> object | None:
-    """The object transformers reads recorders from (5.x), or None where there is none (4.57)."""
-    try:
-        from transformers.utils import output_capturing
-    except ImportError:  # pragma: no cover - transformers 4.57 reads self._can_record_outputs directly
-        return None
-    return getattr(output_capturing, "_CAN_RECORD_REGISTRY", None)
-
-
+# ---- where transformers reads the recorders: version-specific, in modelgraft._compat ---------------
 def install_instance_lookup() -> None:
-    """Make the recorder registry look at the model instance first (idempotent).
+    """Make transformers' recorder lookup consult the model instance first (idempotent).
 
-    The registry is a dict subclass keyed by class name; shadowing its bound ``get`` with an
-    attribute of that one object changes no class and is removed by :func:`uninstall_instance_lookup`.
+    A model whose ``__dict__`` holds ``_can_record_outputs`` then records with that map; see
+    :func:`modelgraft._compat.install_recorder_lookup`. Undone by :func:`uninstall_instance_lookup`.
     """
-    reg = _recorder_registry()
-    if reg is None or getattr(reg, "__dict__", {}).get("get") is not None:
-        return
-    class_get = type(reg).get
-
-    def get(model: object, *args: object) -> dict:
-        own = getattr(model, "__dict__", {}).get(_ATTR) if not args else None
-        return own if own is not None else class_get(reg, model, *args)
-
-    setattr(get, _MARK, True)
-    reg.get = get  # type: ignore[method-assign]
+    _compat.install_recorder_lookup()
 
 
 def uninstall_instance_lookup() -> None:
     """Remove what :func:`install_instance_lookup` added."""
-    reg = _recorder_registry()
-    if reg is not None and getattr(reg.__dict__.get("get"), _MARK, False):
-        del reg.get
+    _compat.uninstall_recorder_lookup()
 
 
 # ---- patching -----------------------------------------------------------------------------------
@@ -140,5 +118,6 @@ def patch_output_recorders(
         if any(new[name] is not spec for name, spec in recorders.items()):
             # An instance attribute: the class-level dict stays as transformers defined it.
             object.__setattr__(module, _ATTR, new)
+            _compat.track_instance_recorders(module)
             patched += 1
     return patched
