@@ -223,18 +223,23 @@ def _builtin_conversions(model_type: str) -> tuple[Any, ...]:
 
     A graft's entry replaces the built-in one for its model type, so it must carry what it still
     needs of it (for example the expert merge of ``qwen2_moe`` when only attention is grafted).
+    transformers renames checkpoint keys before its converters see them; modelgraft's converters
+    read checkpoint keys as they are, so a renaming that sits right before a converter's pattern
+    (Mixtral's ``block_sparse_moe`` -> ``mlp`` before ``experts.*.w1.weight``) is folded into that
+    converter, and converters come before renamings so that each parameter is claimed once.
     """
     from transformers import conversion_mapping as tcm
 
     from modelgraft.conversion import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
 
     entries = tcm.get_checkpoint_conversion_mapping(model_type) or []
-    out: list[Any] = []
+    renamings: list[tuple[list[str], list[str]]] = []
+    converters: list[tuple[list[str], list[str], list[Any]]] = []
     for entry in entries:
         sources = [_plain(p, model_type) for p in entry.source_patterns]
         targets = [_plain(p, model_type) for p in entry.target_patterns]
         if type(entry).__name__ == "WeightRenaming":
-            out.append(WeightRenaming(sources, targets))
+            renamings.append((sources, targets))
             continue
         ops = []
         for op in entry.operations:
@@ -248,8 +253,21 @@ def _builtin_conversions(model_type: str) -> tuple[Any, ...]:
                     f"transformers converts `{model_type}` checkpoints with `{name}`, which grafts cannot "
                     "carry over; expected only renamings, `MergeModulelist` and `Concatenate`."
                 )
+        converters.append((sources, targets, ops))
+    keys = [name for name, _ in meta_model(model_type).named_parameters()] if renamings and converters else []
+    out: list[Any] = []
+    for sources, targets, ops in converters:
+        for (old,), (new,) in (r for r in renamings if len(r[0]) == 1 and len(r[1]) == 1):
+            if any(_contains(key, f"{new}.{t}") for key in keys for t in targets):
+                sources, targets = [f"{old}.{p}" for p in sources], [f"{new}.{p}" for p in targets]
         out.append(WeightConverter(sources, targets, ops))
+    out.extend(WeightRenaming(sources, targets) for sources, targets in renamings)
     return tuple(out)
+
+
+def _contains(key: str, run: str) -> bool:
+    """Whether the dotted ``run`` occurs in ``key`` on segment boundaries."""
+    return re.search(rf"(?:^|\.){re.escape(run)}(?:\.|$)", key) is not None
 
 
 def _plain(pattern: str, model_type: str) -> str:
