@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import transformers
@@ -41,6 +42,7 @@ __all__ = [
     "check_supported",
     "class_recorders",
     "construction_step_installed",
+    "conversion_hooks",
     "initialize_missing_keys",
     "install_construction_step",
     "install_recorder_lookup",
@@ -337,6 +339,24 @@ def uninstall_construction_step() -> None:
         True
     """
     _impl.uninstall_construction_step()
+
+
+def conversion_hooks() -> ModuleType:
+    """The module that wires modelgraft's conversion engine into the installed transformers.
+
+    It has ``install()``, ``uninstall()``, ``installed()`` and ``builtin_conversion_exists(key)``:
+    :mod:`modelgraft.conversion._transformers_hooks` on 5.x, :mod:`modelgraft._compat_v4_conversion`
+    on 4.57 (which has no built-in conversions).
+
+    Example:
+        >>> conversion_hooks().builtin_conversion_exists("qwen2_moe") == HAS_BUILTIN_CONVERSION
+        True
+    """
+    if IS_V5:
+        from modelgraft.conversion import _transformers_hooks as hooks
+    else:
+        from modelgraft import _compat_v4_conversion as hooks
+    return hooks
 
 
 def moe_router_candidates(modules: Mapping[str, Any]) -> Iterator[tuple[str, Any, Any]]:

@@ -51,13 +51,13 @@ __all__ = [
 
 def install() -> None:
     """Wire the conversion engine into transformers' load and save paths (idempotent)."""
-    from modelgraft.conversion import _transformers_hooks
+    from modelgraft import _compat
 
-    _transformers_hooks.install()
+    _compat.conversion_hooks().install()
 
 
 def uninstall() -> None:
     """Remove what :func:`install` wired in (idempotent)."""
-    from modelgraft.conversion import _transformers_hooks
+    from modelgraft import _compat
 
-    _transformers_hooks.uninstall()
+    _compat.conversion_hooks().uninstall()

@@ -206,9 +206,9 @@ def _validate_entry(key: object, mapping: object) -> Conversions:
 
 def _builtin_has(key: str) -> bool:
     """Whether the installed transformers ships its own conversion for ``key``."""
-    from modelgraft.conversion import _transformers_hooks
+    from modelgraft import _compat
 
-    return _transformers_hooks.builtin_conversion_exists(key)
+    return _compat.conversion_hooks().builtin_conversion_exists(key)
 
 
 def register_checkpoint_conversion_mapping(

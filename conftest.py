@@ -1,0 +1,43 @@
+"""Root pytest configuration: modules that exist for one transformers line only.
+
+``--doctest-modules`` imports every module under ``src/modelgraft``. A module that wires
+modelgraft into the internals of one transformers line cannot be imported on the other; it is
+left out of collection there, and the run says so in its header and summary (never silently).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from modelgraft import _compat
+
+_ROOT = Path(__file__).resolve().parent
+# path -> why it cannot be collected on the other line
+_V5_ONLY = {
+    "src/modelgraft/conversion/_transformers_hooks.py": "wires the conversion engine into transformers 5.x "
+    "(`conversion_mapping`, `revert_weight_conversion`); 4.57 uses `modelgraft/_compat_v4_conversion.py`",
+}
+_NOT_HERE = {} if _compat.IS_V5 else _V5_ONLY
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    try:
+        rel = collection_path.resolve().relative_to(_ROOT).as_posix()
+    except ValueError:  # outside the repository
+        return None
+    return True if rel in _NOT_HERE else None
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return [f"transformers {_compat.TRANSFORMERS_VERSION}"] + [
+        f"not collected on this version: {path} ({why})" for path, why in _NOT_HERE.items()
+    ]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for path, why in _NOT_HERE.items():
+        terminalreporter.write_line(
+            f"NOT COLLECTED on transformers {_compat.TRANSFORMERS_VERSION}: {path} ({why})"
+        )

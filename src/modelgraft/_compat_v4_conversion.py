@@ -1,0 +1,209 @@
+"""The conversion engine's wiring into transformers 4.57 (the counterpart of
+:mod:`modelgraft.conversion._transformers_hooks`, which wires it into 5.x).
+
+4.57 has no conversion machinery of its own: one checkpoint key fills one parameter, and
+``save_pretrained`` writes ``state_dict()`` as it is. Wrapped, in ``transformers.modeling_utils``:
+
+* ``PreTrainedModel.post_init``: remembers the conversion scopes a model was built under, so a
+  model made with ``from_config`` saves its original layout after the scope has ended.
+* ``PreTrainedModel._load_pretrained_model``: makes the checkpoint files and device map of this
+  load visible to the next wrapper, and drops the checkpoint keys a conversion consumed from the
+  unexpected keys it reports (``_adjust_missing_and_unexpected_keys``).
+* ``_find_missing_and_unexpected_keys`` (the name ``_load_pretrained_model`` calls): right after
+  transformers found the missing keys, and before it materialises and initialises them, fills the
+  missing converted parameters from the checkpoint files; they are then no longer missing, so
+  transformers neither initialises them nor warns about them.
+* ``PreTrainedModel.save_pretrained``: writes the original layout (``save_original_format=True``,
+  the default, as on 5.x) by reversing modelgraft's conversions in the state dict it saves.
+
+Example:
+    >>> from modelgraft import _compat_v4_conversion
+    >>> _compat_v4_conversion.builtin_conversion_exists("qwen2_moe")
+    False
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from modelgraft.conversion import load as _load
+from modelgraft.conversion import save as _save
+from modelgraft.conversion.rules import has_any_conversions
+
+__all__ = ["builtin_conversion_exists", "install", "installed", "uninstall"]
+
+_MARK = "__modelgraft_conversion_hook__"
+_lock = threading.Lock()
+_originals: dict[str, Any] = {}
+
+
+@dataclass
+class _Load:
+    """What the inner wrappers of one ``_load_pretrained_model`` call need to share."""
+
+    files: list[str] | None
+    device_map: dict | None
+    consumed: set[str] = field(default_factory=set)
+
+
+_current: ContextVar[_Load | None] = ContextVar("modelgraft_v4_conversion_load", default=None)
+
+
+def builtin_conversion_exists(key: str) -> bool:
+    """Whether transformers converts ``key``'s checkpoints itself: never on 4.57."""
+    return False
+
+
+def _modeling_utils() -> Any:
+    from transformers import modeling_utils
+
+    return modeling_utils
+
+
+def _device_for(device_map: dict | None) -> Any:
+    def device_for(key: str) -> torch.device | str:
+        if not device_map:
+            return "cpu"
+        best = max(
+            (p for p in device_map if p == "" or key == p or key.startswith(p + ".")), key=len, default=None
+        )
+        dev = device_map.get(best, "cpu") if best is not None else "cpu"
+        if dev == "disk":
+            return "cpu"
+        return torch.device(dev) if isinstance(dev, int) else dev
+
+    return device_for
+
+
+def _wrap_load_pretrained_model(original: Any) -> classmethod:
+    @functools.wraps(original)
+    def _load_pretrained_model(
+        cls: type, model: Any, state_dict: Any, checkpoint_files: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if not has_any_conversions():
+            return original(cls, model, state_dict, checkpoint_files, *args, **kwargs)
+        files = list(checkpoint_files) if checkpoint_files and state_dict is None else None
+        token = _current.set(_Load(files, kwargs.get("device_map")))
+        try:
+            return original(cls, model, state_dict, checkpoint_files, *args, **kwargs)
+        finally:
+            _current.reset(token)
+
+    setattr(_load_pretrained_model, _MARK, original)
+    return classmethod(_load_pretrained_model)
+
+
+def _wrap_find_missing(original: Any) -> Any:
+    @functools.wraps(original)
+    def _find_missing_and_unexpected_keys(model: Any, *args: Any, **kwargs: Any) -> Any:
+        missing, unexpected = original(model, *args, **kwargs)
+        load = _current.get()
+        if load is None or load.files is None:
+            return missing, unexpected
+        still_missing, left_unexpected = set(missing), set(unexpected)
+        _load.apply_load_conversions(
+            model, load.files, still_missing, left_unexpected, _device_for(load.device_map)
+        )
+        load.consumed |= set(unexpected) - left_unexpected
+        # Consumed keys stay "unexpected" until the shards are loaded, so transformers does not try
+        # to load them into parameters that do not exist; they are dropped from the final report.
+        return [k for k in missing if k in still_missing], unexpected
+
+    setattr(_find_missing_and_unexpected_keys, _MARK, original)
+    return _find_missing_and_unexpected_keys
+
+
+def _wrap_adjust(original: Any) -> Any:
+    @functools.wraps(original)
+    def _adjust_missing_and_unexpected_keys(self: Any, *args: Any, **kwargs: Any) -> Any:
+        missing, unexpected = original(self, *args, **kwargs)
+        load = _current.get()
+        if load is not None and load.consumed:
+            unexpected = [k for k in unexpected if k not in load.consumed]
+        return missing, unexpected
+
+    setattr(_adjust_missing_and_unexpected_keys, _MARK, original)
+    return _adjust_missing_and_unexpected_keys
+
+
+def _wrap_post_init(original: Any) -> Any:
+    @functools.wraps(original)
+    def post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if has_any_conversions():
+            scopes = _load.resolve_scopes(self)
+            if scopes:
+                object.__setattr__(self, _load.STATE_ATTR, _load.ConversionState(scopes=scopes))
+        return result
+
+    setattr(post_init, _MARK, original)
+    return post_init
+
+
+def _wrap_save_pretrained(original: Any) -> Any:
+    @functools.wraps(original)
+    def save_pretrained(
+        self: Any, save_directory: Any, *args: Any, save_original_format: bool = True, **kwargs: Any
+    ) -> Any:
+        if len(args) >= 2:  # `is_main_process, state_dict` given by position
+            kwargs.setdefault("is_main_process", args[0])
+            kwargs["state_dict"], args = args[1], args[2:]
+        if save_original_format:
+            state_dict = kwargs.get("state_dict")
+            full = state_dict if state_dict is not None else self.state_dict()
+            reversed_ = _save.reverse_state_dict(self, full)
+            if reversed_ is not None:
+                converted, untouched, _scopes = reversed_
+                out = {k: full[k] for k in untouched}
+                out.update(converted)
+                kwargs["state_dict"] = out
+        return original(self, save_directory, *args, **kwargs)
+
+    setattr(save_pretrained, _MARK, original)
+    return save_pretrained
+
+
+def installed() -> bool:
+    """Whether the conversion wrappers are in place."""
+    return hasattr(_modeling_utils()._find_missing_and_unexpected_keys, _MARK)
+
+
+def install() -> None:
+    """Install the load/save wrappers (idempotent)."""
+    with _lock:
+        if installed():
+            return
+        mu = _modeling_utils()
+        base = mu.PreTrainedModel
+        _originals["_find_missing_and_unexpected_keys"] = mu._find_missing_and_unexpected_keys
+        _originals["_load_pretrained_model"] = base.__dict__["_load_pretrained_model"].__func__
+        for name in ("_adjust_missing_and_unexpected_keys", "post_init", "save_pretrained"):
+            _originals[name] = base.__dict__[name]
+        mu._find_missing_and_unexpected_keys = _wrap_find_missing(
+            _originals["_find_missing_and_unexpected_keys"]
+        )
+        base._load_pretrained_model = _wrap_load_pretrained_model(_originals["_load_pretrained_model"])
+        base._adjust_missing_and_unexpected_keys = _wrap_adjust(
+            _originals["_adjust_missing_and_unexpected_keys"]
+        )
+        base.post_init = _wrap_post_init(_originals["post_init"])
+        base.save_pretrained = _wrap_save_pretrained(_originals["save_pretrained"])
+
+
+def uninstall() -> None:
+    """Remove the load/save wrappers (idempotent)."""
+    with _lock:
+        if not installed():
+            return
+        mu = _modeling_utils()
+        base = mu.PreTrainedModel
+        mu._find_missing_and_unexpected_keys = _originals.pop("_find_missing_and_unexpected_keys")
+        base._load_pretrained_model = classmethod(_originals.pop("_load_pretrained_model"))
+        for name in ("_adjust_missing_and_unexpected_keys", "post_init", "save_pretrained"):
+            setattr(base, name, _originals.pop(name))
