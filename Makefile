@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/load_conversion.py
 	$(PY) benchmarks/replay_overhead.py
 	$(PY) benchmarks/grafts_speed.py
+	$(PY) benchmarks/inspect_speed.py
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) .pytest_cache .ruff_cache .bench-cache
