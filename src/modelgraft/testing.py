@@ -89,6 +89,7 @@ _FAMILY: dict[str, dict[str, Any]] = {
         "qk_rope_head_dim": 8,
         "qk_nope_head_dim": 8,
         "v_head_dim": 16,
+        "head_dim": 8,  # = qk_rope_head_dim: transformers 4.57 sizes the rotary embedding by head_dim
         "num_key_value_heads": 4,
     },
     # Jamba: one attention layer and one MoE layer among the two.
