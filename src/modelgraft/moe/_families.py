@@ -1,0 +1,163 @@
+"""The MoE families of the installed transformers, found at run time, and tiny models of them.
+
+Used by the tests, the benchmark and the examples; not part of the public API. Families are found
+by reading (not importing) each ``models/*/modeling_*.py`` for a router class, so the list follows
+whatever transformers is installed.
+
+Example:
+    >>> "qwen3_moe" in moe_model_types()
+    True
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from functools import lru_cache
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+__all__ = ["TINY", "build_tiny", "moe_model_types"]
+
+_ROUTER_DEF = re.compile(r"^class \w+(Router|Gate|Gating)\(", re.M)
+_EXPERTS_DEF = re.compile(r"^class \w*Expert", re.M)
+
+# Set only where the family's config has the attribute: small sizes, every layer MoE, 8 experts
+# with top-2 in 4 groups of which 2 are kept (exercises group-limited routing).
+TINY: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 32,
+    "moe_intermediate_size": 16,
+    "expert_intermediate_size": 16,
+    "shared_expert_intermediate_size": 16,
+    "ffn_hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 64,
+    "num_experts": 8,
+    "n_routed_experts": 8,
+    "num_local_experts": 8,
+    "moe_num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "moe_k": 2,
+    "top_k": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "first_k_dense_replace": 0,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "qk_head_dim": 16,
+    "v_head_dim": 8,
+    "sliding_window": 16,
+    "pad_token_id": 0,
+}
+
+
+_MAX_PARAMS = 2_000_000
+
+
+@lru_cache(maxsize=1)
+def moe_model_types() -> tuple[str, ...]:
+    """Model types of the installed transformers whose modeling file defines a router next to experts.
+
+    For a multimodal family the text model type is used (``qwen3_vl_moe_text``), since the
+    routing lives in the language model.
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
+
+    by_module: dict[str, list[str]] = {}
+    for model_type in CONFIG_MAPPING_NAMES:
+        by_module.setdefault(model_type_to_module_name(model_type), []).append(model_type)
+    root = os.path.dirname(transformers.models.__file__)
+    found: list[str] = []
+    for path in sorted(glob.glob(os.path.join(root, "*", "modeling_*.py"))):
+        with open(path, encoding="utf-8") as handle:
+            source = handle.read()
+        if not (_ROUTER_DEF.search(source) and _EXPERTS_DEF.search(source)):
+            continue
+        module = os.path.basename(os.path.dirname(path))
+        types = by_module.get(module, [])
+        if types:
+            found.append(_pick_type(module, types))
+    return tuple(dict.fromkeys(found))
+
+
+def _pick_type(module: str, types: list[str]) -> str:
+    text = [t for t in types if t.endswith("_text") and "talker" not in t]
+    if text:
+        return text[0]
+    return module if module in types else types[0]
+
+
+def build_tiny(model_type: str, seed: int = 0, **overrides: Any) -> nn.Module:
+    """A tiny randomly initialised model of ``model_type`` (causal LM head where there is one).
+
+    Raises whatever transformers raises when the family cannot be built this small.
+    """
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    known = set(default.to_dict())
+    kwargs = {k: v for k, v in TINY.items() if k in known}
+    if "qk_rope_head_dim" in known:
+        kwargs.pop("head_dim", None)  # multi-head latent attention derives its head sizes itself
+    kwargs.update(overrides)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    build = _builder(config)
+    with torch.device("meta"):
+        size = sum(p.numel() for p in build().parameters())
+    if size > _MAX_PARAMS:
+        raise ValueError(
+            f"`{model_type}` is not tiny with these overrides ({size:,} parameters > {_MAX_PARAMS:,}); "
+            "its config nests sizes this table does not set"
+        )
+    torch.manual_seed(seed)
+    return build().eval()
+
+
+def _builder(config: Any) -> Any:
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    for auto in (AutoModelForCausalLM, AutoModel):
+        try:
+            auto._model_mapping[type(config)]
+        except KeyError:
+            continue
+        return lambda: auto.from_config(config)
+    cls = _model_class(config)
+    return lambda: cls(config)
+
+
+def _model_class(config: Any) -> type[nn.Module]:
+    """The family's own model class for a config no auto class maps (a multimodal text tower)."""
+    import importlib
+
+    from transformers import PreTrainedModel
+
+    module = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
+    candidates = [
+        obj
+        for obj in vars(module).values()
+        if isinstance(obj, type)
+        and issubclass(obj, PreTrainedModel)
+        and getattr(obj, "config_class", None) is type(config)
+        and not obj.__name__.endswith("PreTrainedModel")
+    ]
+    candidates.sort(
+        key=lambda cls: (not cls.__name__.endswith("ForCausalLM"), not cls.__name__.endswith("Model"))
+    )
+    if not candidates:
+        raise ValueError(f"no model class in `{module.__name__}` takes `{type(config).__name__}`")
+    return candidates[0]

@@ -1,0 +1,206 @@
+"""Record the experts a model routes each token to, and replay them in a later forward.
+
+Replay fixes the expert *indices*; the routing *weights* are recomputed by the family's own router
+code from the live router weights (softmax, top-k renormalisation, sigmoid with correction bias,
+group limits), so gradients reach the router and, with unchanged weights, the replayed forward is
+bit-identical to the recorded one.
+
+Example:
+    >>> import torch
+    >>> from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    >>> cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+    ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    ...     num_experts=4, num_experts_per_tok=2)
+    >>> model = Qwen3MoeForCausalLM(cfg).eval()
+    >>> ids = torch.tensor([[1, 5, 9]])
+    >>> with record_routing(model) as trace:
+    ...     ref = model(ids).logits
+    >>> len(trace), tuple(trace[0].shape)
+    (2, (3, 2))
+    >>> with replay_routing(model, trace):
+    ...     out = model(ids).logits
+    >>> bool(torch.equal(out, ref))
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from modelgraft.errors import RoutingError
+from modelgraft.moe._discovery import MoELayer, find_moe_layers, unsupported_reason
+from modelgraft.moe._intercept import _Site, hook_scope, unhook_scope
+from modelgraft.moe.trace import RoutingTrace
+
+__all__ = ["moe_layers", "record_routing", "replay_routing"]
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    """The MoE layers of ``model`` that record/replay would hook, in model order.
+
+    Raises:
+        RoutingError: the model has no MoE layer, or a family whose selection is not a top-k.
+    """
+    layers = find_moe_layers(model)
+    if not layers:
+        raise RoutingError(
+            f"`{type(model).__name__}` has no MoE router module (a `*Router`/`*Gate` next to an "
+            "`*Experts` module); record/replay needs a Mixture-of-Experts model."
+        )
+    for layer in layers:
+        reason = unsupported_reason(layer.router)
+        if reason:
+            raise RoutingError(
+                f"MoE layer `{layer.name}` ({type(layer.router).__name__}) cannot be recorded or replayed: {reason}."
+            )
+    scopes = [id(layer.scope) for layer in layers]
+    if len(set(scopes)) != len(scopes):
+        raise RoutingError(
+            f"Two routers of `{type(model).__name__}` share one MoE block; one block per router is supported."
+        )
+    return layers
+
+
+@contextmanager
+def _hooked(sites: list[_Site]) -> Iterator[None]:
+    try:
+        for site in sites:
+            hook_scope(site)
+        yield
+    finally:
+        for site in sites:
+            unhook_scope(site)
+
+
+def _model_type(model: nn.Module) -> str | None:
+    config = getattr(model, "config", None)
+    return getattr(config, "model_type", None)
+
+
+@contextmanager
+def record_routing(model: nn.Module) -> Iterator[RoutingTrace]:
+    """Record the selected experts of every MoE layer during the forwards run inside the block.
+
+    The yielded :class:`RoutingTrace` is filled when the block exits: per MoE layer a
+    ``(num_tokens, top_k)`` long tensor, where ``num_tokens`` is ``batch * seq`` as the router saw it.
+    Several forwards inside one block are concatenated along the token axis, in call order.
+    Forwards recomputed by gradient checkpointing during backward are not recorded twice.
+
+    Args:
+        model: a transformers MoE model (any family of the installed version).
+
+    Yields:
+        The trace, complete after the block.
+
+    Raises:
+        RoutingError: the model has no replayable MoE layer.
+    """
+    layers = moe_layers(model)
+    sites = [_Site(layer) for layer in layers]
+    for site in sites:
+        site.recorded = []
+    trace = RoutingTrace(
+        [],
+        [],
+        top_k=layers[0].top_k,
+        num_experts=layers[0].num_experts,
+        model_type=_model_type(model),
+    )
+    with _hooked(sites):
+        yield trace
+    trace.layers = [
+        torch.cat(site.recorded) if site.recorded else torch.empty(0, site.layer.top_k, dtype=torch.long)
+        for site in sites
+    ]
+    trace.layer_ids = [site.layer.layer_id for site in sites]
+    trace.layer_names = [site.layer.name for site in sites]
+
+
+def _as_tensors(
+    routing: RoutingTrace | Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor], list[int] | None]:
+    if isinstance(routing, RoutingTrace):
+        return list(routing.layers), list(routing.layer_ids)
+    if isinstance(routing, torch.Tensor) or not isinstance(routing, Sequence):
+        raise RoutingError(
+            f"`routing` must be a RoutingTrace or a list of (num_tokens, top_k) tensors, one per MoE layer; "
+            f"got `{type(routing).__name__}`."
+        )
+    return list(routing), None
+
+
+def _validate(layers: list[MoELayer], tensors: list[torch.Tensor], layer_ids: list[int] | None) -> None:
+    if len(tensors) != len(layers):
+        names = ", ".join(f"`{layer.name}`" for layer in layers[:4])
+        more = ", ..." if len(layers) > 4 else ""
+        raise RoutingError(
+            f"The model has {len(layers)} MoE layers ({names}{more}) but the routing data has "
+            f"{len(tensors)}; pass one (num_tokens, top_k) tensor per MoE layer (use `from_vllm` to drop "
+            "dense layers from engine output)."
+        )
+    if layer_ids is not None:
+        expected = [layer.layer_id for layer in layers]
+        if layer_ids != expected:
+            bad = next(i for i, (a, b) in enumerate(zip(layer_ids, expected)) if a != b)
+            raise RoutingError(
+                f"Routing entry {bad} is for layer `{layer_ids[bad]}` but MoE layer `{layers[bad].name}` is "
+                f"decoder layer `{expected[bad]}`; the trace was made for a model with MoE layers "
+                f"{layer_ids}, this model has {expected}."
+            )
+    for layer, tensor in zip(layers, tensors):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 or tensor.is_floating_point():
+            got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise RoutingError(
+                f"Routing for MoE layer `{layer.name}` must be a 2-D integer tensor (num_tokens, top_k); got {got}."
+            )
+        if tensor.shape[1] != layer.top_k:
+            raise RoutingError(
+                f"Routing for MoE layer `{layer.name}` has top_k={tensor.shape[1]} columns but the layer "
+                f"selects top_k={layer.top_k}; record with the same model configuration."
+            )
+        if tensor.numel():
+            low, high = int(tensor.min()), int(tensor.max())
+            if low < 0 or high >= layer.num_experts:
+                raise RoutingError(
+                    f"Routing for MoE layer `{layer.name}` holds expert id {low if low < 0 else high}, out of "
+                    f"range for its {layer.num_experts} experts (valid: 0..{layer.num_experts - 1}); fill "
+                    "missing routes (e.g. -1 sentinels) before replaying."
+                )
+
+
+@contextmanager
+def replay_routing(model: nn.Module, routing: RoutingTrace | Sequence[torch.Tensor]) -> Iterator[None]:
+    """Force every MoE layer to use the given experts during the forwards run inside the block.
+
+    Each MoE layer uses its whole routing tensor on each forward call, so a forward recomputed by
+    gradient checkpointing gets the same experts. Every layer must consume its routing at least once
+    before the block ends.
+
+    Args:
+        model: the model the routing was recorded on (or one with the same architecture).
+        routing: a :class:`RoutingTrace` or a list with one ``(num_tokens, top_k)`` integer tensor per
+            MoE layer, in model order.
+
+    Raises:
+        RoutingError: wrong number of layers, top-k, an expert id out of range, a token count that does
+            not match the batch (at forward time), or routing left unconsumed when the block ends.
+    """
+    layers = moe_layers(model)
+    tensors, layer_ids = _as_tensors(routing)
+    _validate(layers, tensors, layer_ids)
+    sites = [_Site(layer) for layer in layers]
+    for site, tensor in zip(sites, tensors):
+        site.forced = tensor.long()
+    with _hooked(sites):
+        yield
+    unused = [site.layer.name for site in sites if not site.consumed]
+    if unused:
+        shown = ", ".join(f"`{name}`" for name in unused[:4])
+        raise RoutingError(
+            f"Routing for MoE layers {shown}{', ...' if len(unused) > 4 else ''} was never used: no forward "
+            "ran through them inside the `replay_routing` block. Run the model inside the block."
+        )
