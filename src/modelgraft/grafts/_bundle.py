@@ -69,6 +69,25 @@ class Graft:
     model_types: tuple[str, ...]
     _parts: tuple[tuple[str, Callable[[], _Part]], ...] = field(repr=False)
 
+    @classmethod
+    def of(
+        cls,
+        name: str,
+        requested: tuple[str, ...],
+        default: tuple[str, ...],
+        part: Callable[[str], _Part],
+    ) -> Graft:
+        """Build a graft from a per-model-type ``part`` factory.
+
+        Model types the caller names are checked now (a clear error for one the graft cannot
+        handle); the default set is resolved on first use, so importing costs nothing.
+        """
+        types = tuple(requested) or tuple(default)
+        graft = cls(name, types, tuple((t, functools.partial(part, t)) for t in types))
+        if requested:
+            graft._resolved  # noqa: B018
+        return graft
+
     @functools.cached_property
     def _resolved(self) -> dict[str, list[_Part]]:
         resolved: dict[str, list[_Part]] = {}

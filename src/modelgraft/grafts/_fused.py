@@ -242,4 +242,6 @@ def fused_subclass(
             },
         )
         _SUBCLASSES[key] = cls
+        # Reachable by name, so that grafted models pickle (torch.save) within this process.
+        globals().setdefault(name, cls)
         return cls

@@ -16,8 +16,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
-
 from torch import nn
 
 from modelgraft.grafts._bundle import Graft, UnsupportedFamilyError, _Part, find_modules
@@ -84,5 +82,4 @@ def fused_gate_up(*model_types: str) -> Graft:
         >>> sorted(fused_gate_up("deepseek_v3").mapping)
         ['DeepseekV3MLP']
     """
-    types = model_types or FUSED_GATE_UP_FAMILIES
-    return Graft("fused gate/up", tuple(types), tuple((t, functools.partial(_part, t)) for t in types))
+    return Graft.of("fused gate/up", model_types, FUSED_GATE_UP_FAMILIES, _part)

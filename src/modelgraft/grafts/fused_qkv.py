@@ -20,8 +20,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
-
 from torch import nn
 
 from modelgraft.grafts._bundle import Graft, UnsupportedFamilyError, _Part, find_modules
@@ -98,5 +96,4 @@ def fused_qkv(*model_types: str) -> Graft:
         >>> fused_qkv("qwen2").conversions["qwen2"][0].target_patterns
         ('self_attn.qkv_proj',)
     """
-    types = model_types or FUSED_QKV_FAMILIES
-    return Graft("fused QKV", tuple(types), tuple((t, functools.partial(_part, t)) for t in types))
+    return Graft.of("fused QKV", model_types, FUSED_QKV_FAMILIES, _part)

@@ -24,7 +24,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import threading
 
 import torch
@@ -224,6 +223,8 @@ def linear_experts_class(
                 },
             )
             _CLASSES[key] = found
+            # Reachable by name, so that grafted models pickle (torch.save) within this process.
+            globals().setdefault(name, found)
         return found
 
 
@@ -256,7 +257,4 @@ def linear_experts(*model_types: str) -> Graft:
         >>> graft.mapping["MixtralExperts"].__name__, graft.conversions["mixtral"]
         ('LinearMixtralExperts', [WeightRenaming(['block_sparse_moe'] -> ['mlp'])])
     """
-    types = model_types or LINEAR_EXPERTS_FAMILIES
-    return Graft(
-        "per-expert linear experts", tuple(types), tuple((t, functools.partial(_part, t)) for t in types)
-    )
+    return Graft.of("per-expert linear experts", model_types, LINEAR_EXPERTS_FAMILIES, _part)
