@@ -270,7 +270,27 @@ def test_moe_router_candidates(model_type: str) -> None:
     if IS_V5:
         assert found == []  # 5.x routers have their own classes, found by name in modelgraft.moe
         return
-    assert [name for name, _, _ in found] == [f"model.layers.{i}.mlp.gate" for i in range(2)]
+    assert [name.rsplit(".", 2)[0] for name, _, _ in found] == [f"model.layers.{i}" for i in range(2)]
+    assert all(name.endswith(".gate") for name, _, _ in found)
     for _, router, parent in found:
         assert isinstance(router, torch.nn.Linear) and router.out_features == 4
         assert parent.gate is router and len(parent.experts) == 4
+
+
+@requires_v4
+def test_v4_has_no_builtin_conversion_so_registering_needs_no_overwrite() -> None:
+    from modelgraft import (
+        Concatenate,
+        WeightConverter,
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+        unregister_checkpoint_conversion_mapping,
+    )
+
+    qkv = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])
+    assert not _compat.conversion_hooks().builtin_conversion_exists("qwen2_moe")
+    register_checkpoint_conversion_mapping("qwen2_moe", [qkv])
+    try:
+        assert get_checkpoint_conversion_mapping("qwen2_moe") == [qkv]
+    finally:
+        unregister_checkpoint_conversion_mapping("qwen2_moe")

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from _versions import requires_builtin_conversion
 from modelgraft import ConversionError
 from modelgraft.conversion import (
     Concatenate,
@@ -111,6 +112,7 @@ def test_duplicate_needs_overwrite_and_leaves_registry_unchanged():
     assert get_checkpoint_conversion_mapping("tiny_type") == [other]
 
 
+@requires_builtin_conversion
 def test_builtin_transformers_conversion_needs_overwrite():
     with pytest.raises(ConversionError, match=r"`qwen2_moe` already exists in the installed transformers"):
         register_checkpoint_conversion_mapping("qwen2_moe", [QKV])
@@ -119,6 +121,7 @@ def test_builtin_transformers_conversion_needs_overwrite():
     assert get_checkpoint_conversion_mapping("qwen2_moe") == [QKV]
 
 
+@requires_builtin_conversion
 def test_transformers_converters_are_rejected_with_a_hint():
     from transformers.core_model_loading import WeightRenaming as HFRenaming
 
