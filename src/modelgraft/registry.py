@@ -53,6 +53,8 @@ __all__ = [
 ]
 
 _serial = itertools.count(1)
+_SNAPSHOT_CACHE_SIZE = 64
+_layer_serials: dict[tuple[tuple[str, type, str], ...], int] = {}
 
 
 def is_exact_key(key: str) -> bool:
@@ -75,13 +77,23 @@ class _Entry:
 
 @dataclass(frozen=True)
 class _Layer:
-    """One immutable set of entries (the global registry, or one ``scoped`` block)."""
+    """One immutable set of entries (the global registry, or one ``scoped`` block).
+
+    Layers with the same content share a serial, so entering ``patched(same mapping)`` again
+    finds the snapshot, and the swap plans derived from it, already cached.
+    """
 
     entries: tuple[_Entry, ...]
-    serial: int = field(default_factory=lambda: next(_serial))
+    serial: int = field(init=False)
 
-    def as_dict(self) -> dict[str, type]:
-        return {e.key: e.replacement for e in self.entries}
+    def __post_init__(self) -> None:
+        content = tuple((e.key, e.replacement, e.source) for e in self.entries)
+        serial = _layer_serials.get(content)
+        if serial is None:
+            if len(_layer_serials) >= _SNAPSHOT_CACHE_SIZE * 4:
+                _layer_serials.clear()  # bounded: it keeps replacement classes alive
+            serial = _layer_serials[content] = next(_serial)
+        object.__setattr__(self, "serial", serial)
 
 
 class Snapshot:
@@ -167,7 +179,6 @@ _write_lock = threading.Lock()
 _global = _Layer(())
 _overlays: ContextVar[tuple[_Layer, ...]] = ContextVar("modelgraft_overlays", default=())
 _snapshot_cache: dict[tuple[int, ...], Snapshot] = {}
-_SNAPSHOT_CACHE_SIZE = 64
 
 
 def _qualname(cls: type) -> str:

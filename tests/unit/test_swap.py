@@ -125,3 +125,17 @@ def test_plan_is_cached_per_snapshot() -> None:
         with apply_patches():
             assert modeling_llama.LlamaMLP is Anything
     assert swap.STATS["scans"] == scans
+
+
+def test_reentering_patched_with_the_same_mapping_reuses_the_plan() -> None:
+    mapping = {"LlamaMLP": Anything, ".*Experts$": Anything}
+    with patched(mapping), apply_patches():
+        pass
+    scans = swap.STATS["scans"]
+    for _ in range(3):
+        with patched(dict(mapping)), apply_patches():
+            assert modeling_llama.LlamaMLP is Anything
+    assert swap.STATS["scans"] == scans
+    with patched({"LlamaMLP": Anything}), apply_patches():  # different content: a new plan
+        pass
+    assert swap.STATS["scans"] == scans + 1
