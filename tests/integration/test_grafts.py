@@ -142,3 +142,20 @@ def test_all_three_grafts_together_on_moe_families(model_type: str, checkpoint, 
 def test_grafts_claim_at_least_ten_families_together() -> None:
     claimed = set(FUSED_QKV_FAMILIES) | set(FUSED_GATE_UP_FAMILIES) | set(LINEAR_EXPERTS_FAMILIES)
     assert len(claimed) >= 10
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2_moe", "mixtral"])
+def test_a_grafted_model_built_from_config_saves_the_original_layout(model_type: str, tmp_path: Path) -> None:
+    graft = (
+        fused_qkv(model_type) + linear_experts(model_type) if model_type != "llama" else fused_qkv("llama")
+    )
+    if model_type in FUSED_GATE_UP_FAMILIES:
+        graft = graft + fused_gate_up(model_type)
+    config = family(model_type).config()
+    with graft.applied():
+        grafted = AutoModelForCausalLM.from_config(config).eval()
+    assert any(isinstance(m, tuple(graft.mapping.values())) for m in grafted.modules())
+    grafted.save_pretrained(tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert sorted(plain.state_dict()) == sorted(AutoModelForCausalLM.from_config(config).state_dict())
+    torch.testing.assert_close(_logits(plain, model_type), _logits(grafted, model_type), atol=ATOL, rtol=0)
