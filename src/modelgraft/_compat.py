@@ -39,6 +39,7 @@ __all__ = [
     "TRANSFORMERS_VERSION",
     "LoadingInternals",
     "bind_instance_recorders",
+    "builtin_checkpoint_conversions",
     "check_supported",
     "class_recorders",
     "construction_step_installed",
@@ -357,6 +358,24 @@ def conversion_hooks() -> ModuleType:
     else:
         from modelgraft import _compat_v4_conversion as hooks
     return hooks
+
+
+def builtin_checkpoint_conversions(model_type: str) -> list[Any]:
+    """transformers' own conversion entries for ``model_type`` (its ``WeightConverter``/``WeightRenaming``).
+
+    Empty on 4.57, which converts no checkpoint layout, and for model types 5.x does not convert.
+
+    Example:
+        >>> (len(builtin_checkpoint_conversions("qwen2_moe")) > 0) == HAS_BUILTIN_CONVERSION
+        True
+        >>> builtin_checkpoint_conversions("llama")
+        []
+    """
+    if not HAS_BUILTIN_CONVERSION:
+        return []
+    from transformers import conversion_mapping
+
+    return list(conversion_mapping.get_checkpoint_conversion_mapping(model_type) or [])
 
 
 def moe_router_candidates(modules: Mapping[str, Any]) -> Iterator[tuple[str, Any, Any]]:

@@ -247,11 +247,10 @@ def _builtin_conversions(model_type: str) -> tuple[Any, ...]:
     (Mixtral's ``block_sparse_moe`` -> ``mlp`` before ``experts.*.w1.weight``) is folded into that
     converter, and converters come before renamings so that each parameter is claimed once.
     """
-    from transformers import conversion_mapping as tcm
-
+    from modelgraft import _compat
     from modelgraft.conversion import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
 
-    entries = tcm.get_checkpoint_conversion_mapping(model_type) or []
+    entries = _compat.builtin_checkpoint_conversions(model_type)
     renamings: list[tuple[list[str], list[str]]] = []
     converters: list[tuple[list[str], list[str], list[Any]]] = []
     for entry in entries:
