@@ -122,24 +122,34 @@ def _nearest_pretrained(model: torch.nn.Module, path: str) -> torch.nn.Module:
     return model
 
 
-def _init_fills(model: torch.nn.Module, param_name: str) -> bool:
-    """Whether the model's weight init writes ``param_name`` (probed on a NaN-filled copy of its owner)."""
+def _init_fills(model: torch.nn.Module, param_name: str, cache: dict[tuple[type, str, type], bool]) -> bool:
+    """Whether the model's weight init writes ``param_name`` (probed on a NaN-filled copy of its owner).
+
+    The verdict depends on the owner's class and the sub-model's init, so it is probed once per
+    ``(owner class, parameter name)`` and cached in ``cache`` for the rest of the load.
+    """
     owner_path, _, leaf = param_name.rpartition(".")
     owner = model.get_submodule(owner_path)
     param = owner._parameters.get(leaf)
     if param is None or not param.is_floating_point() or param.device.type == "meta":
         return True  # buffers, integer or offloaded tensors: nothing we can probe honestly
-    probe = copy.deepcopy(owner)
+    initializer = _nearest_pretrained(model, owner_path)
+    cache_key = (type(owner), leaf, type(initializer))
+    if cache_key in cache:
+        return cache[cache_key]
+    probe = copy.deepcopy(owner)  # the init may write children too: never probe the real module
     with torch.no_grad():
         for tensor in probe.parameters(recurse=False):
             tensor.fill_(float("nan"))
             tensor.__dict__.pop("_is_hf_initialized", None)
         probe.__dict__.pop("_is_hf_initialized", None)
         try:
-            _nearest_pretrained(model, owner_path)._init_weights(probe)
+            initializer._init_weights(probe)
+            filled = not bool(torch.isnan(probe._parameters[leaf]).all())
         except Exception:  # an init that cannot handle the module does not fill it either
-            return False
-    return not bool(torch.isnan(probe._parameters[leaf]).all())
+            filled = False
+    cache[cache_key] = filled
+    return filled
 
 
 def _resolve(qualified: str) -> type | None:
@@ -233,10 +243,11 @@ def diagnose_load(
         )
 
     random_init = []
+    probed: dict[tuple[type, str, type], bool] = {}
     for name in sorted(loading_info.get("missing_keys", ())):
         if _owner(name, paths) is None:
             continue
-        if _init_fills(model, name):
+        if _init_fills(model, name, probed):
             random_init.append(name)
         else:
             rep.unloaded_parameters.append(name)

@@ -169,6 +169,15 @@ def _plan(
     return plan
 
 
+def _bound_by_enclosing(module: ModuleType, attr: str, replacement: type) -> type | None:
+    """The original that an active swap replaced by ``replacement`` at ``module.attr``, if any."""
+    for bound in _active:
+        for mod, name, original, repl, _key in bound._applied:
+            if mod is module and name == attr and repl is replacement:
+                return original
+    return None
+
+
 def _is_library_module(name: str) -> bool:
     root = name.partition(".")[0]
     return root in _LIBRARY_ROOTS and not _name_in_scope(name)
@@ -251,13 +260,20 @@ class Swap:
             namespace = module.__dict__
             for attr, key, replacement in hits:
                 current = namespace.get(attr)
-                if current is replacement or not isinstance(current, type):
+                if current is replacement:  # an enclosing swap bound it already: report its original
+                    current = _bound_by_enclosing(module, attr, replacement)
+                    if current is not None:
+                        self._note(current, replacement, key)
+                    continue
+                if not isinstance(current, type):
                     continue
                 setattr(module, attr, replacement)
                 self._applied.append((module, attr, current, replacement, key))
                 self._applied_log.append(self._applied[-1])
-                original = f"{current.__module__}.{current.__qualname__}"
-                self.replaced_by.setdefault(replacement, {})[original] = key
+                self._note(current, replacement, key)
+
+    def _note(self, original: type, replacement: type, key: str) -> None:
+        self.replaced_by.setdefault(replacement, {})[f"{original.__module__}.{original.__qualname__}"] = key
 
     def _restore(self) -> None:
         if self in _active:
