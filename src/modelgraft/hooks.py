@@ -209,22 +209,21 @@ def _construction_step() -> Iterator[None]:
 
 
 # ---- transformers-version-specific part: what gets wrapped --------------------------------------
-def _targets() -> tuple[type, Any]:
-    """``(PreTrainedModel, module whose global apply_patches the construction step calls)``."""
+def _base() -> type:
+    """The class whose loaders are wrapped (the construction step itself lives in ``_compat``)."""
     from transformers import modeling_utils
 
-    return modeling_utils.PreTrainedModel, modeling_utils
+    return modeling_utils.PreTrainedModel
 
 
 def installed() -> bool:
     """Whether the load hooks are in place."""
-    base, _ = _targets()
-    return hasattr(base.__dict__["from_pretrained"].__func__, _MARK)
+    return hasattr(_base().__dict__["from_pretrained"].__func__, _MARK)
 
 
 def install() -> None:
     """Install the load hooks and the per-instance recorder lookup (idempotent)."""
-    base, _ = _targets()
+    base = _base()
     if not installed():
         # Before wrapping _from_config: on transformers 4.57 the step wraps it underneath.
         _compat.install_construction_step(_construction_step)
@@ -243,7 +242,7 @@ def install() -> None:
 
 def uninstall() -> None:
     """Remove everything :func:`install` added (idempotent)."""
-    base, _ = _targets()
+    base = _base()
     if installed():
         base.from_pretrained = classmethod(_originals.pop("from_pretrained"))
         base._from_config = classmethod(_originals.pop("_from_config"))
