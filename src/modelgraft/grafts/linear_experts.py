@@ -29,6 +29,7 @@ import threading
 import torch
 from torch import nn
 
+from modelgraft import _compat
 from modelgraft.grafts._bundle import (
     Graft,
     UnsupportedFamilyError,
@@ -228,11 +229,18 @@ def linear_experts_class(
         return found
 
 
+def _is_expert_list(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "experts", None), nn.ModuleList)
+
+
 def _is_fused_experts(module: nn.Module) -> bool:
     return isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and _layout_problem(module) is None
 
 
 def _part(model_type: str) -> _Part:
+    if not _compat.FUSED_MOE_EXPERTS and find_modules(model_type, _is_expert_list):
+        # transformers 4.57 already builds per-expert `nn.Linear` experts: nothing to replace.
+        return _Part({})
     found = find_modules(model_type, _is_fused_experts)
     if not found:
         raise UnsupportedFamilyError(
