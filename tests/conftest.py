@@ -7,41 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModel, AutoModelForCausalLM
 
 import modelgraft
-
-#: Tiny config overrides per model family, shared by the integration tests.
-TINY: dict[str, dict] = {
-    "llama": dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-    ),
-    "qwen3_moe": dict(
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        vocab_size=128,
-    ),
-    "bert": dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128
-    ),
-}
-
-
-def tiny_config(model_type: str, **overrides: object) -> PretrainedConfig:
-    """A tiny config of ``model_type`` from the :data:`TINY` table."""
-    return AutoConfig.for_model(model_type, **{**TINY[model_type], **overrides})
+from families import family
 
 
 @pytest.fixture(autouse=True)
@@ -65,7 +34,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
             path = tmp_path_factory.mktemp(f"tiny-{model_type}")
             auto = AutoModel if model_type == "bert" else AutoModelForCausalLM
             torch.manual_seed(0)
-            auto.from_config(tiny_config(model_type)).save_pretrained(path)
+            auto.from_config(family(model_type).config()).save_pretrained(path)
             made[model_type] = path
         return made[model_type]
 
@@ -74,5 +43,5 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
 
 @pytest.fixture
 def tiny_llama_dir(tiny_checkpoint: Callable[[str], Path]) -> Path:
-    """A saved tiny Llama causal-LM checkpoint (hidden 32, 2 layers, vocab 128)."""
+    """A saved tiny Llama causal-LM checkpoint (2 layers, vocab 128; see tests/families.py)."""
     return tiny_checkpoint("llama")

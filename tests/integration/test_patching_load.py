@@ -19,7 +19,7 @@ from transformers.models.clip.modeling_clip import CLIPAttention
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
-from conftest import tiny_config
+from families import family
 from modelgraft import (
     apply_patches,
     clear_patch_mapping,
@@ -50,15 +50,15 @@ def test_failing_replacement_is_restored(loader: str, tiny_llama_dir: Path) -> N
     register_patch_mapping({"LlamaAttention": FailingAttention})
     with pytest.raises(RuntimeError, match="init failed on purpose"):
         if loader == "from_config":
-            AutoModelForCausalLM.from_config(tiny_config("llama"))
+            AutoModelForCausalLM.from_config(family("llama").config())
         elif loader == "from_pretrained":
             LlamaForCausalLM.from_pretrained(tiny_llama_dir)
         else:
             with apply_patches():
-                LlamaModel(tiny_config("llama"))
+                LlamaModel(family("llama").config())
     assert modeling_llama.LlamaAttention is LlamaAttention
     clear_patch_mapping()
-    model = LlamaModel(tiny_config("llama"))
+    model = LlamaModel(family("llama").config())
     assert type(model.layers[0].self_attn) is LlamaAttention
 
 
@@ -74,9 +74,9 @@ def test_nested_apply_patches_and_manual_construction() -> None:
     register_patch_mapping({"LlamaAttention": CustomAttention})
     with apply_patches():
         with apply_patches():
-            inner = LlamaModel(tiny_config("llama"))
-        outer = LlamaModel(tiny_config("llama"))
-    plain = LlamaModel(tiny_config("llama"))
+            inner = LlamaModel(family("llama").config())
+        outer = LlamaModel(family("llama").config())
+    plain = LlamaModel(family("llama").config())
     assert type(inner.layers[0].self_attn) is CustomAttention
     assert type(outer.layers[0].self_attn) is CustomAttention
     assert type(plain.layers[0].self_attn) is LlamaAttention
@@ -85,11 +85,11 @@ def test_nested_apply_patches_and_manual_construction() -> None:
 # ---- point 5 ------------------------------------------------------------------------------------
 LOADERS = {
     "LlamaForCausalLM.from_pretrained": lambda d: LlamaForCausalLM.from_pretrained(d),
-    "LlamaForCausalLM._from_config": lambda d: LlamaForCausalLM._from_config(tiny_config("llama")),
+    "LlamaForCausalLM._from_config": lambda d: LlamaForCausalLM._from_config(family("llama").config()),
     "AutoModelForCausalLM.from_pretrained": lambda d: AutoModelForCausalLM.from_pretrained(d),
-    "AutoModelForCausalLM.from_config": lambda d: AutoModelForCausalLM.from_config(tiny_config("llama")),
+    "AutoModelForCausalLM.from_config": lambda d: AutoModelForCausalLM.from_config(family("llama").config()),
     "AutoModel.from_pretrained": lambda d: AutoModel.from_pretrained(d),
-    "AutoModel.from_config": lambda d: AutoModel.from_config(tiny_config("llama")),
+    "AutoModel.from_config": lambda d: AutoModel.from_config(family("llama").config()),
 }
 
 
@@ -106,7 +106,7 @@ def test_every_load_path_is_patched_with_one_swap(loader: str, tiny_llama_dir: P
 
 
 def _tiny_llava_config() -> LlavaConfig:
-    text = {"model_type": "llama", **tiny_config("llama").to_diff_dict()}
+    text = {"model_type": "llama", **family("llama").config().to_diff_dict()}
     vision = dict(
         model_type="clip_vision_model",
         hidden_size=32,

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaModel, Qwen3MoeModel
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaPreTrainedModel
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoePreTrainedModel, Qwen3MoeTopKRouter
 
-from conftest import tiny_config
+from families import family
 from modelgraft import clear_patch_mapping, patch_output_recorders, register_patch_mapping
 
 IDS = torch.tensor([[1, 2, 3, 4, 5]])
@@ -48,14 +48,14 @@ def _router_logits(model: torch.nn.Module) -> int:
 def test_llama_attentions_survive_a_patched_load_and_clear() -> None:
     class_level = dict(LlamaPreTrainedModel._can_record_outputs)
     register_patch_mapping({"LlamaAttention": StandaloneAttention})
-    grafted = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="eager")
+    grafted = AutoModelForCausalLM.from_config(family("llama").config(), attn_implementation="eager")
     assert _attentions(grafted) == 2  # the instance records the replacement
     clear_patch_mapping()
     assert LlamaPreTrainedModel._can_record_outputs == class_level
     assert LlamaPreTrainedModel._can_record_outputs["attentions"] is LlamaAttention
-    fresh = LlamaModel(tiny_config("llama", attn_implementation="eager"))
+    fresh = LlamaModel(family("llama").config(attn_implementation="eager"))
     assert _attentions(fresh) == 2
-    loaded = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="eager")
+    loaded = AutoModelForCausalLM.from_config(family("llama").config(), attn_implementation="eager")
     assert _attentions(loaded) == 2
     assert _attentions(grafted) == 2
 
@@ -72,13 +72,13 @@ def test_qwen3_moe_router_logits_survive() -> None:
     recorder = Qwen3MoePreTrainedModel._can_record_outputs["router_logits"]
     target = recorder.target_class
     register_patch_mapping({"Qwen3MoeTopKRouter": StandaloneRouter})
-    grafted = Qwen3MoeModel._from_config(tiny_config("qwen3_moe"))
+    grafted = Qwen3MoeModel._from_config(family("qwen3_moe").config())
     assert any(isinstance(m, StandaloneRouter) for m in grafted.modules())
     assert _router_logits(grafted) == 2
     clear_patch_mapping()
     assert Qwen3MoePreTrainedModel._can_record_outputs["router_logits"] is recorder
     assert recorder.target_class is target  # the shared OutputRecorder was not mutated
-    plain = Qwen3MoeModel._from_config(tiny_config("qwen3_moe"))
+    plain = Qwen3MoeModel._from_config(family("qwen3_moe").config())
     assert _router_logits(plain) == 2
 
 
@@ -88,11 +88,11 @@ def test_manual_patch_output_recorders(call: str) -> None:
     from modelgraft import apply_patches
 
     with apply_patches():
-        model = LlamaModel(tiny_config("llama", attn_implementation="eager"))
+        model = LlamaModel(family("llama").config(attn_implementation="eager"))
     assert _attentions(model) == 0  # built manually: the recorders still point at LlamaAttention
-    model = LlamaModel(tiny_config("llama", attn_implementation="eager"))
+    model = LlamaModel(family("llama").config(attn_implementation="eager"))
     with apply_patches():
-        model = LlamaModel(tiny_config("llama", attn_implementation="eager"))
+        model = LlamaModel(family("llama").config(attn_implementation="eager"))
     if call == "snapshot":
         assert patch_output_recorders(model) == 1
     else:

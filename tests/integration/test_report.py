@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, BertModel
 from transformers.models.bert.modeling_bert import BertSelfAttention
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
-from conftest import tiny_config
+from families import family
 from modelgraft import StrictModeError, patched, register_patch_mapping, report
 
 
@@ -126,5 +126,5 @@ def test_strict_rejects_a_scoped_key_that_matched_nothing(tiny_llama_dir: Path) 
 
 def test_strict_from_config_passes_a_clean_graft() -> None:
     with patched({"LlamaMLP": CustomMLP}, strict=True):
-        model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+        model = AutoModelForCausalLM.from_config(family("llama").config())
     assert len(report(model).replaced) == 2

@@ -18,7 +18,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeAttention
 
-from conftest import tiny_config
+from families import family
 from modelgraft import (
     Concatenate,
     WeightConverter,
@@ -92,7 +92,7 @@ def test_pattern_matching_and_unregistering() -> None:
     )
     with apply_patches():
         assert modeling_llama.LlamaAttention is CustomAttention  # `.*Attention`
-        model = LlamaModel(tiny_config("llama"))
+        model = LlamaModel(family("llama").config())
     assert type(model.layers[0].self_attn) is CustomAttention
 
     register_patch_mapping(
@@ -120,9 +120,9 @@ def test_exact_match_precedence_over_pattern() -> None:
 def test_manual_construction(tiny_llama_dir: Path) -> None:
     register_patch_mapping(mapping={"LlamaAttention": CustomAttention})
     with apply_patches():
-        model = LlamaModel(tiny_config("llama"))  # Uses CustomAttention
+        model = LlamaModel(family("llama").config())  # Uses CustomAttention
     assert type(model.layers[0].self_attn) is CustomAttention
-    model = LlamaModel(tiny_config("llama"))  # Uses LlamaAttention
+    model = LlamaModel(family("llama").config())  # Uses LlamaAttention
     assert type(model.layers[0].self_attn) is LlamaAttention
     model = LlamaModel.from_pretrained(tiny_llama_dir)  # Uses CustomAttention
     assert type(model.layers[0].self_attn) is CustomAttention

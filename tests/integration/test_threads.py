@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention
 
-from conftest import tiny_config
+from families import family
 from modelgraft import patched, swap
 
 N_PATCHED = 8
@@ -56,7 +56,7 @@ def test_concurrent_scoped_loads_get_their_own_classes(fast_switching: None, tin
         # Alternate the load paths so both wrapped entry points race each other.
         if i % 2:
             return AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
-        return LlamaForCausalLM._from_config(tiny_config("llama"))
+        return LlamaForCausalLM._from_config(family("llama").config())
 
     def worker(i: int) -> None:
         try:
