@@ -166,3 +166,36 @@ def test_scoped_mapping_is_validated_like_registration() -> None:
     with pytest.raises(PatchRegistrationError, match="not a valid regular expression"), patched({"[": A}):
         pass  # pragma: no cover - never entered
     assert get_patch_mapping() == {}
+
+
+def test_concurrent_registrations_are_all_kept() -> None:
+    import threading
+
+    def register(i: int) -> None:
+        for j in range(50):
+            register_patch_mapping({f"Block{i}x{j}": A})
+            assert f"Block{i}x{j}" in get_patch_mapping()
+
+    threads = [threading.Thread(target=register, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(get_patch_mapping()) == 200
+
+
+def test_patched_is_private_to_each_asyncio_task() -> None:
+    import asyncio
+
+    async def load_with(cls: type, other_done: asyncio.Event, done: asyncio.Event) -> type | None:
+        with patched({"LlamaMLP": cls}):
+            done.set()
+            await other_done.wait()  # both blocks are open at the same time here
+            return find_replacement("LlamaMLP")[1]
+
+    async def main() -> tuple[type | None, type | None, object]:
+        first, second = asyncio.Event(), asyncio.Event()
+        results = await asyncio.gather(load_with(A, second, first), load_with(B, first, second))
+        return (*results, find_replacement("LlamaMLP"))
+
+    assert asyncio.run(main()) == (A, B, None)
