@@ -17,13 +17,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
-from safetensors import safe_open
 
 from modelgraft.conversion._plan import Group, plan_groups, run_convert
+from modelgraft.conversion._safetensors import SafetensorsFile
+from modelgraft.conversion.ops import Concatenate
 from modelgraft.conversion.rules import Conversions, has_any_conversions, lookup_conversions
 from modelgraft.report import ConversionRecord, _report_for
 
@@ -103,15 +103,15 @@ def scope_for(scopes: Sequence[Scope], param: str) -> Scope | None:
 
 
 # ---- checkpoint files ---------------------------------------------------------------------------
-def checkpoint_index(files: Iterable[str]) -> dict[str, tuple[str, torch.Size]]:
+def checkpoint_index(files: Iterable[str]) -> dict[str, tuple[SafetensorsFile, torch.Size]]:
     """``key -> (file, shape)`` from the safetensors headers (no tensor is read)."""
-    index: dict[str, tuple[str, torch.Size]] = {}
+    index: dict[str, tuple[SafetensorsFile, torch.Size]] = {}
     for path in files:
         if not str(path).endswith(".safetensors"):
             continue
-        with safe_open(path, framework="pt") as f:
-            for key in f.keys():
-                index[key] = (path, torch.Size(f.get_slice(key).get_shape()))
+        f = SafetensorsFile(path)
+        for key in f.keys():
+            index[key] = (f, f.shape(key))
     return index
 
 
@@ -197,43 +197,35 @@ def apply_load_conversions(
     to_ckpt = {m: c for c, m in to_model.items()}
     rep = _report_for(model)
 
-    with ExitStack() as stack:
-        handles: dict[str, object] = {}
+    def locate(model_key: str) -> tuple[SafetensorsFile, str]:
+        ckpt_key = to_ckpt[model_key]
+        return index[ckpt_key][0], ckpt_key
 
-        def read(model_key: str) -> torch.Tensor:
-            ckpt_key = to_ckpt[model_key]
-            path = index[ckpt_key][0]
-            if path not in handles:
-                handles[path] = stack.enter_context(safe_open(path, framework="pt"))
-            return handles[path].get_tensor(ckpt_key)  # type: ignore[attr-defined]
-
-        for scope in scopes:
-            owned_missing = sorted(scope.local(k) for k in missing_keys if scope_for(scopes, k) is scope)
-            if not owned_missing:
-                continue
-            src_shapes = {scope.local(m): index[c][1] for c, m in to_model.items() if scope.owns(m)}
-            plan = plan_groups(scope.converters, owned_missing, src_shapes)
-            for local_group in plan.groups:
-                group = _globalise(local_group, scope)
-                _run_group(model, group, params, read, device_for)
-                state.groups.append(group)
-                missing_keys.difference_update(group.flat_targets)
-                for k in group.flat_sources:
-                    unexpected_keys.discard(k)
-                    unexpected_keys.discard(to_ckpt.get(k, k))
-                rep.conversions.append(
-                    ConversionRecord(
-                        repr(group.converter), tuple(group.flat_sources), tuple(group.flat_targets)
-                    )
-                )
-            for conv, key in plan.unsourced_targets:
-                name = scope.glob(key)
-                if name not in rep.unloaded_parameters:
-                    rep.unloaded_parameters.append(name)
-                rep.problems.append(
-                    f"`{name}` was produced by no converter: {conv!r} found none of its source keys in the "
-                    "checkpoint, so the parameter keeps its random init. Check the converter's source patterns."
-                )
+    for scope in scopes:
+        owned_missing = sorted(scope.local(k) for k in missing_keys if scope_for(scopes, k) is scope)
+        if not owned_missing:
+            continue
+        src_shapes = {scope.local(m): index[c][1] for c, m in to_model.items() if scope.owns(m)}
+        plan = plan_groups(scope.converters, owned_missing, src_shapes)
+        for local_group in plan.groups:
+            group = _globalise(local_group, scope)
+            _run_group(model, group, params, locate, device_for)
+            state.groups.append(group)
+            missing_keys.difference_update(group.flat_targets)
+            for k in group.flat_sources:
+                unexpected_keys.discard(k)
+                unexpected_keys.discard(to_ckpt.get(k, k))
+            rep.conversions.append(
+                ConversionRecord(repr(group.converter), tuple(group.flat_sources), tuple(group.flat_targets))
+            )
+        for conv, key in plan.unsourced_targets:
+            name = scope.glob(key)
+            if name not in rep.unloaded_parameters:
+                rep.unloaded_parameters.append(name)
+            rep.problems.append(
+                f"`{name}` was produced by no converter: {conv!r} found none of its source keys in the "
+                "checkpoint, so the parameter keeps its random init. Check the converter's source patterns."
+            )
     return state
 
 
@@ -250,18 +242,59 @@ def _run_group(
     model: torch.nn.Module,
     group: Group,
     params: Mapping[str, torch.Tensor],
-    read: Callable[[str], torch.Tensor],
+    locate: Callable[[str], tuple[SafetensorsFile, str]],
     device_for: Callable[[str], torch.device | str],
 ) -> None:
-    tensors = [[read(k) for k in keys] for keys in group.sources]
     target_shapes = [[params[k].shape for k in keys] for keys in group.targets]
-    out = run_convert(group, tensors, target_shapes)
-    del tensors
+    devices = {
+        k: params[k].device if params[k].device.type != "meta" else device_for(k) for k in group.flat_targets
+    }
+    out = _concat_rows_in_place(group, params, locate, devices)
+    if out is None:
+        tensors = [[_read(locate, k) for k in keys] for keys in group.sources]
+        out = run_convert(group, tensors, target_shapes)
+        del tensors
     for keys, values in zip(group.targets, out):
         for key, value in zip(keys, values):
-            ref = params[key]
-            device = ref.device if ref.device.type != "meta" else device_for(key)
-            value = value.to(device=device, dtype=ref.dtype).contiguous()
+            value = value.to(device=devices[key], dtype=params[key].dtype).contiguous()
             if value._base is not None:  # a view into a shared buffer would look like a tied weight
                 value = value.clone()
             _set_tensor(model, key, value)
+
+
+def _read(locate: Callable[[str], tuple[SafetensorsFile, str]], key: str) -> torch.Tensor:
+    f, ckpt_key = locate(key)
+    return f.read(ckpt_key)
+
+
+def _concat_rows_in_place(
+    group: Group,
+    params: Mapping[str, torch.Tensor],
+    locate: Callable[[str], tuple[SafetensorsFile, str]],
+    devices: Mapping[str, torch.device | str],
+) -> list[list[torch.Tensor]] | None:
+    """Fast path of the common fusion (a single ``Concatenate(dim=0)``): read each source
+    straight into its rows of the target, so every byte is copied once. ``None`` when the group
+    does not qualify (other ops, dtype cast, non-CPU target, shapes that do not add up; the
+    generic path then runs and reports any error)."""
+    ops = group.converter.operations
+    if len(ops) != 1 or not isinstance(ops[0], Concatenate) or ops[0].dim != 0 or len(group.targets) != 1:
+        return None
+    out: list[torch.Tensor] = []
+    for j, target in enumerate(group.targets[0]):
+        ref = params[target]
+        if torch.device(devices[target]).type != "cpu" or ref.dim() == 0:
+            return None
+        parts = [locate(keys[j]) if j < len(keys) else None for keys in group.sources]
+        if any(p is None or p[0].dtype(p[1]) != ref.dtype for p in parts):
+            return None
+        shapes = [p[0].shape(p[1]) for p in parts]
+        if any(s[1:] != ref.shape[1:] for s in shapes) or sum(s[0] for s in shapes) != ref.shape[0]:
+            return None
+        buffer = torch.empty(ref.shape, dtype=ref.dtype)
+        row = 0
+        for (f, key), shape in zip(parts, shapes):
+            f.read_into(key, buffer[row : row + shape[0]])
+            row += shape[0]
+        out.append(buffer)
+    return [out]

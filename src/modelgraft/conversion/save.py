@@ -113,8 +113,9 @@ def reverse_state_dict(
             out = run_reverse(group, tensors)
             for names, values in zip(group.sources, out):
                 for name, value in zip(names, values):
-                    # Split outputs are views of one buffer; transformers would take them for tied weights.
-                    converted[name] = value.clone() if value._base is not None else value
+                    # Split outputs stay views of the fused tensor: safetensors writes non-overlapping
+                    # views as they are, and transformers drops tied weights before this step.
+                    converted[name] = value
             rep.conversions.append(
                 ConversionRecord(
                     repr(group.converter), tuple(group.flat_targets), tuple(group.flat_sources), "save"
