@@ -209,8 +209,10 @@ class Swap:
             self.add_class(cls)
 
     def add_class(self, cls: type) -> None:
-        """Bring the modules defining ``cls`` and its bases into scope (library modules excluded)."""
+        """Bring the modules defining ``cls`` and its module bases into scope (library modules excluded)."""
         for klass in cls.__mro__:
+            if not issubclass(klass, torch.nn.Module):
+                continue  # mixins (generation, hub) define no building blocks
             name = klass.__module__
             module = sys.modules.get(name)
             if module is not None and not _is_library_module(name):
