@@ -228,9 +228,11 @@ def inspect_architecture(target: str) -> dict[str, Any]:
 
 
 def _describe_class(cls: type, example: torch.nn.Module) -> dict[str, Any]:
-    # Classes from torch itself are outside the patch scope: say so instead of listing keys that
-    # would never be applied to them.
-    patchable = not cls.__module__.startswith("torch.")
+    # Classes outside the patch scope (torch, non-modeling transformers modules such as
+    # activations) are never swapped at load time: say so instead of listing keys for them.
+    from modelgraft import swap
+
+    patchable = not swap._is_library_module(cls.__module__)
     # Containers (a whole decoder stack) would list thousands of tensors; their own direct
     # parameters plus a count say more.
     shapes: dict[str, list[int]] = {}
@@ -280,7 +282,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _keys_cell(c: dict[str, Any]) -> str:
     if not c["patchable"]:
-        return "(torch class, not patched)"
+        return "(outside patch scope)"
     if not c["matching_keys"]:
         return "-"
     winner = c["winner"]["key"] if c["winner"] else None

@@ -47,6 +47,7 @@ def test_inspect_json_lists_classes_counts_paths_shapes_and_matching_keys(
     assert attn["winner"]["key"] == "LlamaAttention"  # exact beats pattern
     assert by_class["LlamaMLP"]["matching_keys"] == []
     assert by_class["Linear"]["patchable"] is False and by_class["Linear"]["matching_keys"] == []
+    assert by_class["SiLUActivation"]["patchable"] is False  # transformers.activations: not swapped at load
     assert info["keys_matching_nothing"] == ["Nope$"]
 
 
