@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaModel, Qwen3MoeModel
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaPreTrainedModel
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoePreTrainedModel, Qwen3MoeTopKRouter
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoePreTrainedModel
 
 from families import family
 from modelgraft import clear_patch_mapping, patch_output_recorders, register_patch_mapping
@@ -28,17 +28,23 @@ class StandaloneAttention(torch.nn.Module):
         return hidden_states, weights
 
 
+# The class whose output is recorded as router logits: the router on transformers 5.x, the
+# sparse-MoE block (which holds the router) on 4.57.
+ROUTER_RECORDED = Qwen3MoePreTrainedModel._can_record_outputs["router_logits"].target_class
+
+
 class StandaloneRouter(torch.nn.Module):
     def __init__(self, config: object) -> None:
         super().__init__()
-        self.inner = Qwen3MoeTopKRouter(config)
+        self.inner = ROUTER_RECORDED(config)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple:
         return self.inner(hidden_states)
 
 
 def _attentions(model: torch.nn.Module) -> int:
-    return len(model(IDS, output_attentions=True).attentions)
+    # transformers 4.57 returns None instead of () when nothing was captured.
+    return len(model(IDS, output_attentions=True).attentions or ())
 
 
 def _router_logits(model: torch.nn.Module) -> int:
@@ -71,7 +77,7 @@ def test_plain_pretrained_llama_keeps_its_attentions(tiny_llama_dir: Path) -> No
 def test_qwen3_moe_router_logits_survive() -> None:
     recorder = Qwen3MoePreTrainedModel._can_record_outputs["router_logits"]
     target = recorder.target_class
-    register_patch_mapping({"Qwen3MoeTopKRouter": StandaloneRouter})
+    register_patch_mapping({ROUTER_RECORDED.__name__: StandaloneRouter})
     grafted = Qwen3MoeModel._from_config(family("qwen3_moe").config())
     assert any(isinstance(m, StandaloneRouter) for m in grafted.modules())
     assert _router_logits(grafted) == 2
