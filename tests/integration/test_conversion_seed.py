@@ -127,3 +127,48 @@ def test_unregistering_restores_the_builtin_conversion(qwen2_moe_dir):
     model, info = AutoModelForCausalLM.from_pretrained(qwen2_moe_dir, output_loading_info=True)
     assert not info["missing_keys"]
     assert tuple(model.model.layers[0].mlp.experts.gate_up_proj.shape) == (4, 32, 32)
+
+
+def test_fused_expert_checkpoint_splits_into_per_expert_linears_and_back(qwen2_moe_dir, tmp_path):
+    """A checkpoint with fused 3D experts loads into the seed's per-expert experts (Chunk + SplitModulelist)."""
+    from modelgraft import Chunk, SplitModulelist
+
+    qkv = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])
+    merge = [
+        WeightConverter(
+            ["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
+            "mlp.experts.gate_up_proj",
+            [MergeModulelist(dim=0), Concatenate(dim=1)],
+        ),
+        WeightConverter("mlp.experts.*.down_proj.weight", "mlp.experts.down_proj", [MergeModulelist(dim=0)]),
+    ]
+    with patched({"Qwen2MoeAttention": FusedQKVAttention}, conversions={"qwen2_moe": [qkv, *merge]}):
+        fused_model = AutoModelForCausalLM.from_pretrained(qwen2_moe_dir)
+    fused_model.save_pretrained(tmp_path / "fused", save_original_format=False)
+    fused = load_file(tmp_path / "fused" / "model.safetensors")
+    assert tuple(fused["model.layers.0.mlp.experts.gate_up_proj"].shape) == (4, 32, 32)
+
+    split = [
+        WeightConverter(
+            "mlp.experts.gate_up_proj",
+            ["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
+            [Chunk(dim=1), SplitModulelist(dim=0)],
+        ),
+        WeightConverter("mlp.experts.down_proj", "mlp.experts.*.down_proj.weight", [SplitModulelist(dim=0)]),
+    ]
+    mapping = {"Qwen2MoeExperts": ModuleListExperts, "Qwen2MoeAttention": FusedQKVAttention}
+    with patched(mapping, conversions={"qwen2_moe": split}):
+        model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "fused", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    original = load_file(qwen2_moe_dir / "model.safetensors")
+    expert = model.model.layers[1].mlp.experts[3]
+    assert torch.equal(expert.up_proj.weight, original["model.layers.1.mlp.experts.3.up_proj.weight"])
+    assert torch.equal(expert.down_proj.weight, original["model.layers.1.mlp.experts.3.down_proj.weight"])
+    plain = AutoModelForCausalLM.from_pretrained(qwen2_moe_dir).eval()
+    torch.testing.assert_close(model.eval()(X).logits, plain(X).logits, atol=1e-5, rtol=0)
+
+    # Its original layout is the fused checkpoint it was loaded from, bit for bit.
+    model.save_pretrained(tmp_path / "again")
+    again = load_file(tmp_path / "again" / "model.safetensors")
+    assert sorted(again) == sorted(fused)
+    assert all(torch.equal(again[k], fused[k]) for k in fused)
