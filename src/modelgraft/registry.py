@@ -147,10 +147,6 @@ class Snapshot:
             self._memo[class_name] = entry
         return None if entry is None else (entry.key, entry.replacement)
 
-    def replacements(self) -> frozenset[type]:
-        """Every replacement class of this snapshot."""
-        return frozenset(self.mapping.values())
-
 
 @dataclass(frozen=True)
 class Candidate:
