@@ -9,8 +9,9 @@ from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
 import modelgraft
+from families import Family, family_params
 from modelgraft import ConversionError, GraftError, graft_model, report
-from modelgraft.grafts import fused_qkv, linear_experts
+from modelgraft.grafts import FUSED_QKV_FAMILIES, LINEAR_EXPERTS_FAMILIES, fused_qkv, linear_experts
 from modelgraft.testing import tiny_config
 
 
@@ -175,3 +176,26 @@ def test_unmatched_keys_are_reported() -> None:
     graft_model(model, {"LlamaMLP": TracedMLP, "MistralMLP": TracedMLP})
     assert report(model).unmatched_keys == ["MistralMLP"]
     assert modelgraft.get_patch_mapping() == {}  # the mapping was scoped to the call
+
+
+def _graft_live_and_compare(family: Family, graft: object) -> None:
+    torch.manual_seed(0)
+    model = family.causal_lm().eval()
+    inputs = family.inputs(model.config)
+    with torch.no_grad():
+        before = model(**inputs).logits
+    graft_model(model, graft.mapping, conversions=graft.conversions)
+    assert report(model).replaced, "nothing was grafted"
+    with torch.no_grad():
+        after = model(**inputs).logits
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", family_params(model_types=FUSED_QKV_FAMILIES))
+def test_fused_qkv_live_on_every_family(family: Family) -> None:
+    _graft_live_and_compare(family, fused_qkv(family.model_type))
+
+
+@pytest.mark.parametrize("family", family_params(model_types=LINEAR_EXPERTS_FAMILIES))
+def test_linear_experts_live_on_every_family(family: Family) -> None:
+    _graft_live_and_compare(family, linear_experts(family.model_type))
