@@ -318,15 +318,29 @@ def _revert_builtin(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> d
 
 
 def _converters_for(model: torch.nn.Module, path: str) -> list[Any]:
-    """The conversion entry of the nearest (sub)model enclosing ``path``: class name, then model_type."""
-    owner: torch.nn.Module = model
+    """The conversion entry that loading would use for the (sub)model enclosing ``path``.
+
+    The enclosing sub-models of the same ``model_type`` (``LlamaModel`` inside ``LlamaForCausalLM``)
+    share one entry: a class-name entry of the outermost wins, then of the inner ones, then the
+    ``model_type`` entry.
+    """
+    from transformers import PreTrainedModel
+
     parts = path.split(".")
-    for i in range(len(parts)):
-        module = _get(model, ".".join(parts[:i])) if i else model
-        if module is not None and getattr(module, "config", None) is not None:
-            owner = module
-    config = getattr(owner, "config", None)
-    found = rules.lookup_conversions(type(owner).__name__, getattr(config, "model_type", None))
+    chain = [
+        m
+        for m in (_get(model, ".".join(parts[:i])) for i in range(len(parts)))
+        if isinstance(m, PreTrainedModel)
+    ]
+    if not chain:
+        return []
+    model_type = getattr(chain[-1].config, "model_type", None)
+    same = [m for m in chain if getattr(m.config, "model_type", None) == model_type]
+    for owner in same:
+        found = rules.lookup_conversions(type(owner).__name__, None)
+        if found:
+            return list(found[1])
+    found = rules.lookup_conversions("", model_type)
     return list(found[1]) if found else []
 
 

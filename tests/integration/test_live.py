@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
 import modelgraft
-from families import Family, family_params
+from families import Family, family, family_params
 from modelgraft import ConversionError, GraftError, graft_model, report
 from modelgraft.grafts import FUSED_QKV_FAMILIES, LINEAR_EXPERTS_FAMILIES, fused_qkv, linear_experts
 from modelgraft.testing import tiny_config
@@ -199,3 +199,27 @@ def test_fused_qkv_live_on_every_family(family: Family) -> None:
 @pytest.mark.parametrize("family", family_params(model_types=LINEAR_EXPERTS_FAMILIES))
 def test_linear_experts_live_on_every_family(family: Family) -> None:
     _graft_live_and_compare(family, linear_experts(family.model_type))
+
+
+def test_conversions_registered_under_the_class_name_are_used() -> None:
+    graft = fused_qkv("llama")
+    model = _model("llama")
+    before = _logits(model)
+    graft_model(model, graft.mapping, conversions={"LlamaForCausalLM": graft.conversions["llama"]})
+    torch.testing.assert_close(_logits(model), before, atol=1e-5, rtol=0)
+
+
+def test_the_language_model_inside_a_vision_language_model() -> None:
+    llava = family("llava")
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(llava.config()).eval()
+    inputs = llava.inputs(model.config)
+    with torch.no_grad():
+        before = model(**inputs).logits
+    text_type = model.config.text_config.model_type
+    graft = fused_qkv(text_type)
+    graft_model(model, graft.mapping, conversions=graft.conversions)
+    paths = [r.path for r in report(model).replaced]
+    assert paths and all(".language_model." in p for p in paths)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, before, atol=1e-5, rtol=0)
