@@ -93,7 +93,9 @@ def model_class_for(config: PretrainedConfig) -> type:
         transformers.AutoModelForImageTextToText,
         transformers.AutoModel,
     ]
-    if getattr(config, "is_decoder", None) is False:
+    if getattr(config, "is_encoder_decoder", False):
+        autos.insert(0, transformers.AutoModelForSeq2SeqLM)
+    elif getattr(config, "is_decoder", None) is False:
         autos.insert(0, transformers.AutoModelForMaskedLM)
     for auto in autos:
         try:

@@ -340,24 +340,37 @@ def _check_outputs(
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = int(getattr(text, "vocab_size", 0) or 128)
     ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(seed))
+    inputs: dict[str, Any] = {"input_ids": ids, "output_hidden_states": True}
+    if getattr(config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = ids[:, :5]
     try:
         with torch.no_grad():
-            ref = plain(input_ids=ids, output_hidden_states=True)
-            out = grafted(input_ids=ids, output_hidden_states=True)
+            ref = plain(**inputs)
+            out = grafted(**inputs)
     except Exception as exc:
         why = f"forward failed: {type(exc).__name__}: {exc}"
         return [Check("logits_match", False, why), Check("hidden_states_match", False, why)]
     ref_logits = _first(ref, "logits", "last_hidden_state")
     logits = _first(out, "logits", "last_hidden_state")
     checks = [_compare("logits_match", [ref_logits], [logits], atol, rtol)]
-    ref_hidden, hidden = getattr(ref, "hidden_states", None), getattr(out, "hidden_states", None)
-    if ref_hidden is None or hidden is None:
+    ref_hidden, hidden = _hidden_states(ref), _hidden_states(out)
+    if not ref_hidden or not hidden:
         checks.append(
             Check("hidden_states_match", True, "the model returns no hidden states; nothing to compare")
         )
     else:
-        checks.append(_compare("hidden_states_match", list(ref_hidden), list(hidden), atol, rtol))
+        checks.append(_compare("hidden_states_match", ref_hidden, hidden, atol, rtol))
     return checks
+
+
+def _hidden_states(output: Any) -> list[torch.Tensor]:
+    """Every hidden state of a decoder or encoder output; encoder then decoder for seq2seq models."""
+    found: list[torch.Tensor] = []
+    for name in ("hidden_states", "encoder_hidden_states", "decoder_hidden_states"):
+        value = getattr(output, name, None)
+        if isinstance(value, tuple | list):
+            found.extend(t for t in value if isinstance(t, torch.Tensor))
+    return found
 
 
 def _first(output: Any, *names: str) -> torch.Tensor:

@@ -129,3 +129,24 @@ def test_unknown_target_is_a_clear_error() -> None:
     with pytest.raises(modelgraft.GraftError, match=r"`no_such_model`"):
         verify("no_such_model", {"LlamaAttention": _ScaledAttention})
     assert modelgraft.get_patch_mapping() == {}
+
+
+@pytest.mark.parametrize(
+    ("model_type", "class_path", "model_class"),
+    [
+        ("bert", "transformers.models.bert.modeling_bert:BertSelfAttention", "BertForMaskedLM"),
+        ("t5", "transformers.models.t5.modeling_t5:T5LayerFF", "T5ForConditionalGeneration"),
+        ("llava", "transformers.models.llama.modeling_llama:LlamaAttention", "LlavaForConditionalGeneration"),
+    ],
+    ids=["encoder", "seq2seq", "vision-language"],
+)
+def test_other_kinds_of_models(model_type: str, class_path: str, model_class: str) -> None:
+    import importlib
+
+    module, name = class_path.split(":")
+    original = getattr(importlib.import_module(module), name)
+    subclass = type(f"Traced{name}", (original,), {})
+    result = verify(model_type, {name: subclass})
+    assert result.model_class == model_class
+    assert result.passed, result.format_table()
+    assert f"{name} -> Traced{name}" in result["builds"].detail
