@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ class _Load:
 
     files: list[str] | None
     device_map: dict | None
+    key_mapping: dict[str, str] | None
     consumed: set[str] = field(default_factory=set)
 
 
@@ -81,6 +83,21 @@ def _device_for(device_map: dict | None) -> Any:
     return device_for
 
 
+def _renamer(model: Any, key_mapping: dict[str, str] | None) -> Any:
+    """The loader's own key renamings, as 4.57 applies them (the class's legacy-layout renames, then
+    the first matching ``key_mapping`` pattern); the base-model prefix is left to the engine."""
+
+    def rename(key: str) -> str:
+        new_key = model._fix_state_dict_key_on_load(key)[0]
+        for pattern, replacement in (key_mapping or {}).items():
+            new_key, count = re.subn(pattern, replacement, new_key)
+            if count:
+                break
+        return new_key
+
+    return rename
+
+
 def _wrap_load_pretrained_model(original: Any) -> classmethod:
     @functools.wraps(original)
     def _load_pretrained_model(
@@ -89,7 +106,7 @@ def _wrap_load_pretrained_model(original: Any) -> classmethod:
         if not has_any_conversions():
             return original(cls, model, state_dict, checkpoint_files, *args, **kwargs)
         files = list(checkpoint_files) if checkpoint_files and state_dict is None else None
-        token = _current.set(_Load(files, kwargs.get("device_map")))
+        token = _current.set(_Load(files, kwargs.get("device_map"), kwargs.get("key_mapping")))
         try:
             return original(cls, model, state_dict, checkpoint_files, *args, **kwargs)
         finally:
@@ -108,7 +125,12 @@ def _wrap_find_missing(original: Any) -> Any:
             return missing, unexpected
         still_missing, left_unexpected = set(missing), set(unexpected)
         _load.apply_load_conversions(
-            model, load.files, still_missing, left_unexpected, _device_for(load.device_map)
+            model,
+            load.files,
+            still_missing,
+            left_unexpected,
+            _device_for(load.device_map),
+            _renamer(model, load.key_mapping),
         )
         load.consumed |= set(unexpected) - left_unexpected
         # Consumed keys stay "unexpected" until the shards are loaded, so transformers does not try

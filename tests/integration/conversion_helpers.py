@@ -74,9 +74,9 @@ class _FusedQKVMixin:
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
+        name = self.config._attn_implementation
+        # (`ALL_ATTENTION_FUNCTIONS.get_interface` is transformers 5.x only.)
+        interface: Callable = eager_attention_forward if name == "eager" else ALL_ATTENTION_FUNCTIONS[name]
         out, weights = interface(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
         return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 

@@ -93,15 +93,18 @@ def test_target_no_converter_produced_is_reported_and_strict_raises(tmp_path):
 
 
 def test_conversion_hooks_can_be_removed_and_reinstalled(tmp_path):
-    from modelgraft import conversion
-    from modelgraft.conversion import _transformers_hooks as hooks
+    from modelgraft import _compat, conversion
 
+    hooks = _compat.conversion_hooks()  # the wiring for the installed transformers (4.57 or 5.x)
     _save_plain("llama", tmp_path)
     assert hooks.installed()
     conversion.uninstall()
     try:
         assert not hooks.installed()
-        assert not hasattr(modeling_utils.get_model_conversion_mapping, "__modelgraft_conversion_hook__")
+        wrapped = [modeling_utils.PreTrainedModel.__dict__["post_init"]]
+        if _compat.HAS_BUILTIN_CONVERSION:
+            wrapped.append(modeling_utils.get_model_conversion_mapping)
+        assert not any(hasattr(f, "__modelgraft_conversion_hook__") for f in wrapped)
         with patched(FUSED, conversions={"llama": [QKV]}):
             model = AutoModelForCausalLM.from_pretrained(tmp_path)
         assert not report(model).conversions  # nothing converted without the hooks
