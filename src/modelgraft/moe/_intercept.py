@@ -43,6 +43,7 @@ class _Site:
         self.recorded: list[torch.Tensor] | None = None  # record: one tensor per forward call
         self.consumed = False
         self.selected = False  # set per forward call
+        self.previous_forward: Any = None  # an instance-level forward found when hooking
 
 
 class _SelectionMode(TorchFunctionMode):
@@ -116,12 +117,17 @@ def _in_backward() -> bool:
 
 
 def hook_scope(site: _Site) -> None:
-    """Make ``site``'s scope module run its forward under a selection mode."""
+    """Make ``site``'s scope module run its forward under a selection mode.
+
+    An instance-level ``forward`` already there (accelerate hooks put one) is wrapped and put back by
+    :func:`unhook_scope`; only a second record/replay on the same module is refused.
+    """
     scope = site.layer.scope
-    if "forward" in scope.__dict__:
+    existing = scope.__dict__.get("forward")
+    if getattr(existing, "_modelgraft_moe_site", None) is not None:
         raise RoutingError(
-            f"MoE layer `{site.layer.name}` is already being recorded or replayed (its module's "
-            "`forward` is overridden); nested record/replay blocks on one model are not supported."
+            f"MoE layer `{site.layer.name}` is already being recorded or replayed; nested "
+            "record/replay blocks on one model are not supported."
         )
     original = scope.forward
 
@@ -138,9 +144,18 @@ def hook_scope(site: _Site) -> None:
             )
         return out
 
+    forward._modelgraft_moe_site = site  # type: ignore[attr-defined]
+    site.previous_forward = existing
     scope.forward = forward
 
 
 def unhook_scope(site: _Site) -> None:
-    """Undo :func:`hook_scope` (safe to call twice)."""
-    site.layer.scope.__dict__.pop("forward", None)
+    """Undo :func:`hook_scope` (safe to call twice, and for a site never hooked)."""
+    scope = site.layer.scope
+    current = scope.__dict__.get("forward")
+    if getattr(current, "_modelgraft_moe_site", None) is not site:
+        return
+    if site.previous_forward is None:
+        del scope.__dict__["forward"]
+    else:
+        scope.forward = site.previous_forward
