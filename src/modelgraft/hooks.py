@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import Any
 
@@ -120,14 +120,9 @@ def patched(
 
 def _scoped_conversions(conversions: Mapping[str, list] | None) -> Any:
     if conversions is None:
-        return _nullcontext()
-    rules = importlib.import_module("modelgraft.conversion.rules")
+        return nullcontext()
+    rules = importlib.import_module("modelgraft.conversion.rules")  # lazily: conversion imports hooks' peers
     return rules.scoped_conversions(conversions)
-
-
-@contextmanager
-def _nullcontext() -> Iterator[None]:
-    yield
 
 
 # ---- the wrapped loaders ------------------------------------------------------------------------
