@@ -121,7 +121,7 @@ def patched(
 def _scoped_conversions(conversions: Mapping[str, list] | None) -> Any:
     if conversions is None:
         return nullcontext()
-    rules = importlib.import_module("modelgraft.conversion.rules")  # lazily: conversion imports hooks' peers
+    rules = importlib.import_module("modelgraft.conversion.rules")  # on use: patching does not need it
     return rules.scoped_conversions(conversions)
 
 
