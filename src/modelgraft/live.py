@@ -136,13 +136,26 @@ def _qualname(cls: type) -> str:
 
 # ---- step 1: which modules, with which constructor arguments --------------------------------------
 def _plan_targets(model: torch.nn.Module, snap: Snapshot) -> list[_Target]:
-    config = getattr(model, "config", None)
-    if config is not None:
+    targets: list[_Target] = []
+    if getattr(model, "config", None) is not None:
         try:
-            return _targets_from_meta_rebuild(model, snap)
+            targets = _targets_from_meta_rebuild(model, snap)
         except (TypeError, ValueError, AttributeError, RuntimeError, NotImplementedError):
-            pass  # not rebuildable from its config: fall back to names and attributes
-    return _targets_from_attributes(model, snap)
+            targets = []  # not rebuildable from its config: names and attributes only
+    # Modules the rebuild could not reach (a class picked from a dict bound at import time, as
+    # transformers 4.57 does for attention implementations) are still replaced by name.
+    covered = [t.path for t in targets]
+    for path, module, key, replacement in _matches_by_name(model, snap):
+        if any(_related(path, p) for p in covered):
+            continue
+        args, kwargs = _ctor_args_from_attributes(module, replacement)
+        targets.append(_Target(path, module, key, replacement, args, kwargs))
+    order = {p: i for i, (p, _) in enumerate(model.named_modules())}
+    return sorted(targets, key=lambda t: order[t.path])
+
+
+def _related(path: str, other: str) -> bool:
+    return path == other or path.startswith(other + ".") or other.startswith(path + ".")
 
 
 def _recording(cls: type) -> type:
@@ -186,8 +199,9 @@ def _targets_from_meta_rebuild(model: torch.nn.Module, snap: Snapshot) -> list[_
     return targets
 
 
-def _targets_from_attributes(model: torch.nn.Module, snap: Snapshot) -> list[_Target]:
-    targets: list[_Target] = []
+def _matches_by_name(model: torch.nn.Module, snap: Snapshot) -> list[tuple[str, torch.nn.Module, str, type]]:
+    """Outermost modules whose class name the snapshot replaces (in the patch scope, not yet grafted)."""
+    found = []
     skip: str | None = None
     for path, module in model.named_modules():
         if not path or (skip is not None and path.startswith(skip + ".")):
@@ -195,13 +209,12 @@ def _targets_from_attributes(model: torch.nn.Module, snap: Snapshot) -> list[_Ta
         cls = type(module)
         if swap._is_library_module(cls.__module__):
             continue  # torch and non-modeling transformers classes are never swapped at load either
-        found = snap.find(cls.__name__)
-        if found is None or found[1] is cls:
+        match = snap.find(cls.__name__)
+        if match is None or match[1] is cls:
             continue
         skip = path
-        args, kwargs = _ctor_args_from_attributes(module, found[1])
-        targets.append(_Target(path, module, found[0], found[1], args, kwargs))
-    return targets
+        found.append((path, module, match[0], match[1]))
+    return found
 
 
 def _ctor_args_from_attributes(module: torch.nn.Module, replacement: type) -> tuple[tuple, dict[str, Any]]:

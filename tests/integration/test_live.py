@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -9,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
 import modelgraft
+from _versions import requires_fused_experts
 from families import Family, family, family_params
 from modelgraft import ConversionError, GraftError, graft_model, report
 from modelgraft.grafts import FUSED_QKV_FAMILIES, LINEAR_EXPERTS_FAMILIES, fused_qkv, linear_experts
@@ -64,6 +67,7 @@ def test_registered_patches_are_used_when_no_mapping_is_given() -> None:
     torch.testing.assert_close(_logits(model), before, atol=1e-5, rtol=0)
 
 
+@requires_fused_experts
 def test_moe_experts_and_attention_on_a_built_qwen2_moe() -> None:
     # The live experts are fused 3D tensors; the per-expert Linear layout is reached through the
     # checkpoint layout (transformers' own merge undone first).
@@ -196,6 +200,7 @@ def test_fused_qkv_live_on_every_family(family: Family) -> None:
     _graft_live_and_compare(family, fused_qkv(family.model_type))
 
 
+@requires_fused_experts
 @pytest.mark.parametrize("family", family_params(model_types=LINEAR_EXPERTS_FAMILIES))
 def test_linear_experts_live_on_every_family(family: Family) -> None:
     _graft_live_and_compare(family, linear_experts(family.model_type))
@@ -223,3 +228,39 @@ def test_the_language_model_inside_a_vision_language_model() -> None:
     assert paths and all(".language_model." in p for p in paths)
     with torch.no_grad():
         torch.testing.assert_close(model(**inputs).logits, before, atol=1e-5, rtol=0)
+
+
+class _Inner(nn.Module):
+    def __init__(self, width: int, layer_idx: int) -> None:
+        super().__init__()
+        self.width, self.layer_idx = width, layer_idx
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+class _TracedInner(_Inner):
+    pass
+
+
+_IMPLEMENTATIONS = {"default": _Inner}  # bound at import: a swap of the module global cannot reach it
+
+
+class _Outer(nn.Module):
+    def __init__(self, config: SimpleNamespace) -> None:
+        super().__init__()
+        self.config = config
+        self.blocks = nn.ModuleList(_IMPLEMENTATIONS["default"](config.width, i) for i in range(2))
+
+
+def test_modules_the_rebuild_cannot_reach_are_replaced_by_name() -> None:
+    torch.manual_seed(0)
+    model = _Outer(SimpleNamespace(width=4))
+    x = torch.randn(3, 4)
+    before = [block(x) for block in model.blocks]
+    graft_model(model, {"_Inner": _TracedInner})
+    assert [type(b) for b in model.blocks] == [_TracedInner, _TracedInner]
+    assert [b.layer_idx for b in model.blocks] == [0, 1]
+    for block, expected in zip(model.blocks, before):
+        assert torch.equal(block(x), expected)
