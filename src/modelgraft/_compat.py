@@ -52,7 +52,9 @@ __all__ = [
     "loading_internals",
     "moe_router_candidates",
     "output_recorder_class",
+    "rebind_class_tables",
     "recorder_lookup_installed",
+    "restore_class_tables",
     "track_instance_recorders",
     "uninstall_construction_step",
     "uninstall_recorder_lookup",
@@ -358,6 +360,51 @@ def conversion_hooks() -> ModuleType:
     else:
         from modelgraft import _compat_v4_conversion as hooks
     return hooks
+
+
+def rebind_class_tables(
+    module: ModuleType, swapped: Mapping[type, type]
+) -> list[tuple[dict, Any, type, type]]:
+    """Point a modeling module's class tables at the replacements of the classes swapped in it.
+
+    Old-style 4.57 modeling modules pick some building blocks from a module-level table, e.g.
+    ``QWEN2MOE_ATTENTION_CLASSES[config._attn_implementation]`` with ``eager``/``sdpa``/
+    ``flash_attention_2`` variants, so swapping the module global alone would not take effect.
+    On 4.57 the entries of every ``*_CLASSES`` table whose class was swapped, or subclasses a
+    swapped class (its sdpa and flash variants), get that class's replacement. 5.x dispatches
+    attention by name inside one class, and its tables are left as they are.
+
+    Args:
+        module: the module whose globals were just swapped.
+        swapped: ``{original class: replacement}`` for the globals swapped in ``module``.
+
+    Returns:
+        The undo log, for :func:`restore_class_tables`.
+
+    Example:
+        >>> import types, torch
+        >>> class Attn(torch.nn.Module): ...
+        >>> class SdpaAttn(Attn): ...
+        >>> class Mine(torch.nn.Module): ...
+        >>> mod = types.ModuleType("m"); mod.ATTN_CLASSES = {"eager": Attn, "sdpa": SdpaAttn}
+        >>> log = rebind_class_tables(mod, {Attn: Mine})
+        >>> mod.ATTN_CLASSES["sdpa"] is (SdpaAttn if IS_V5 else Mine)
+        True
+        >>> restore_class_tables(log); mod.ATTN_CLASSES["sdpa"] is SdpaAttn
+        True
+    """
+    return _impl.rebind_class_tables(module, swapped)
+
+
+def restore_class_tables(log: list[tuple[dict, Any, type, type]]) -> None:
+    """Undo :func:`rebind_class_tables` (entries someone else changed meanwhile are left alone).
+
+    Example:
+        >>> restore_class_tables([])
+    """
+    for table, key, original, replacement in reversed(log):
+        if table.get(key) is replacement:
+            table[key] = original
 
 
 def builtin_checkpoint_conversions(model_type: str) -> list[Any]:

@@ -219,3 +219,22 @@ def moe_router_candidates(modules: Mapping[str, nn.Module]) -> Iterator[tuple[st
             and weight.shape[0] == len(experts)
         ):
             yield name, module, parent
+
+
+def rebind_class_tables(module: Any, swapped: Mapping[type, type]) -> list[tuple[dict, Any, type, type]]:
+    """See :func:`modelgraft._compat.rebind_class_tables`."""
+    log: list[tuple[dict, Any, type, type]] = []
+    if not swapped:
+        return log
+    for name, table in list(vars(module).items()):
+        if not (name.endswith("_CLASSES") and isinstance(table, dict)):
+            continue
+        for key, cls in list(table.items()):
+            if not isinstance(cls, type):
+                continue
+            # The class itself, else the nearest swapped base (sdpa/flash variants follow their base).
+            new = next((swapped[c] for c in cls.__mro__ if c in swapped), None)
+            if new is not None and new is not cls:
+                table[key] = new
+                log.append((table, key, cls, new))
+    return log

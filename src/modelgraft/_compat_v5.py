@@ -148,3 +148,8 @@ def initialize_missing_keys(model: nn.Module, missing: set[str]) -> None:
 def moe_router_candidates(modules: Mapping[str, nn.Module]) -> Iterator[tuple[str, nn.Module, nn.Module]]:
     """See :func:`modelgraft._compat.moe_router_candidates`: every 5.x router has its own class."""
     return iter(())
+
+
+def rebind_class_tables(module: Any, swapped: Mapping[type, type]) -> list:
+    """See :func:`modelgraft._compat.rebind_class_tables`: nothing to do on 5.x."""
+    return []

@@ -36,6 +36,7 @@ from types import ModuleType, TracebackType
 
 import torch
 
+from modelgraft import _compat
 from modelgraft.registry import Snapshot
 from modelgraft.report import ReplacedModule
 
@@ -200,6 +201,7 @@ class Swap:
         self._extra: dict[str, ModuleType] = {}
         self._applied: list[_Applied] = []
         self._applied_log: list[_Applied] = []  # kept after restore, for reports
+        self._tables: list[tuple[dict, object, type, type]] = []  # class-table entries changed
         self._covered: set[str] = set()
         self._depth = 0
         self._start: tuple[int, object] = (0, None)
@@ -273,6 +275,8 @@ class Swap:
                 self._applied.append((module, attr, current, replacement, key))
                 self._applied_log.append(self._applied[-1])
                 self._note(current, replacement, key)
+            swapped = {a[2]: a[3] for a in self._applied if a[0] is module}
+            self._tables += _compat.rebind_class_tables(module, swapped)  # 4.57 `*_CLASSES` tables
 
     def _note(self, original: type, replacement: type, key: str) -> None:
         self.replaced_by.setdefault(replacement, {})[f"{original.__module__}.{original.__qualname__}"] = key
@@ -282,6 +286,8 @@ class Swap:
             _active.remove(self)
         self._unbind_from_new_modules()
         self._rebind(originals=True)
+        _compat.restore_class_tables(self._tables)
+        self._tables = []
         self._applied = []
         self._covered.clear()
 
