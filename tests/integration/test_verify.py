@@ -159,3 +159,12 @@ def test_other_kinds_of_models(model_type: str, class_path: str, model_class: st
     assert result.model_class == model_class
     assert result.passed, result.format_table()
     assert f"{name} -> Traced{name}" in result["builds"].detail
+
+
+def test_a_bf16_checkpoint_folder_round_trips_bit_for_bit(tmp_path: Path) -> None:
+    torch.manual_seed(4)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama")).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    result = verify(tmp_path / "bf16", graft=fused_qkv("llama"))
+    assert result.passed, result.format_table()
+    assert "bit-identical" in result["save_roundtrip"].detail
