@@ -48,7 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     # Progress bars and load warnings would interleave with the tables (and break --json on stdout
-    # for tools that merge the streams).
+    # for tools that merge the streams); restored afterwards for callers of main() in process.
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     try:
@@ -61,6 +62,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(f"modelgraft {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _parser() -> argparse.ArgumentParser:
