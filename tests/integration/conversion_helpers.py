@@ -165,7 +165,8 @@ class FusedQKVAttention(nn.Module):
         )
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
 
-        if self.config.layer_types[layer_idx] == "sliding_attention":
+        layer_types = getattr(self.config, "layer_types", None)  # (a transformers 5.x config field)
+        if layer_types is not None and layer_types[layer_idx] == "sliding_attention":
             self.sliding_window = config.sliding_window
 
     def forward(

@@ -8,6 +8,7 @@ from conversion_helpers import FusedQKVAttention, ModuleListExperts, tiny_qwen2_
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from _versions import requires_builtin_conversion, requires_fused_experts
 from modelgraft import (
     Concatenate,
     ConversionError,
@@ -42,6 +43,7 @@ def qwen2_moe_dir(tmp_path_factory):
 X = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(3))
 
 
+@requires_builtin_conversion
 def test_seed_complete_example_logits_match_the_plain_model(qwen2_moe_dir):
     plain = AutoModelForCausalLM.from_pretrained(qwen2_moe_dir).eval()
     saved = load_file(qwen2_moe_dir / "model.safetensors")
@@ -92,6 +94,7 @@ def test_seed_graft_saves_the_original_layout_bit_identically(qwen2_moe_dir, tmp
     assert all(torch.equal(written[k], original[k]) for k in original)
 
 
+@requires_fused_experts
 def test_fused_experts_through_modelgraft_converters_round_trip(qwen2_moe_dir, tmp_path):
     """Per-expert checkpoint keys merged into the stock fused experts by modelgraft's own ops."""
     conversions = [
@@ -121,6 +124,7 @@ def test_fused_experts_through_modelgraft_converters_round_trip(qwen2_moe_dir, t
     assert all(torch.equal(written[k], original[k]) for k in original)
 
 
+@requires_builtin_conversion
 def test_unregistering_restores_the_builtin_conversion(qwen2_moe_dir):
     register_checkpoint_conversion_mapping("qwen2_moe", [], overwrite=True)
     unregister_checkpoint_conversion_mapping("qwen2_moe")
@@ -129,6 +133,7 @@ def test_unregistering_restores_the_builtin_conversion(qwen2_moe_dir):
     assert tuple(model.model.layers[0].mlp.experts.gate_up_proj.shape) == (4, 32, 32)
 
 
+@requires_fused_experts
 def test_fused_expert_checkpoint_splits_into_per_expert_linears_and_back(qwen2_moe_dir, tmp_path):
     """A checkpoint with fused 3D experts loads into the seed's per-expert experts (Chunk + SplitModulelist)."""
     from modelgraft import Chunk, SplitModulelist
