@@ -116,3 +116,18 @@ def test_conversion_hooks_can_be_removed_and_reinstalled(tmp_path):
         model = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert len(report(model).conversions) == 4
     assert isinstance(model.model.layers[0].self_attn.qkv_proj.weight, torch.nn.Parameter)
+
+
+def test_a_non_safetensors_checkpoint_is_reported(tmp_path):
+    import shutil
+
+    _save_plain("llama", tmp_path / "st")
+    (tmp_path / "bin").mkdir()
+    shutil.copy(tmp_path / "st" / "config.json", tmp_path / "bin" / "config.json")
+    torch.save(load_file(tmp_path / "st" / "model.safetensors"), tmp_path / "bin" / "pytorch_model.bin")
+    with patched(FUSED, conversions={"llama": [QKV]}):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "bin")
+    assert any(
+        "from safetensors files only" in p and "pytorch_model.bin" in p for p in report(model).problems
+    )
+    assert "model.layers.0.self_attn.qkv_proj.weight" in report(model).unloaded_parameters

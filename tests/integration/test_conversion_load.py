@@ -235,3 +235,43 @@ def test_composite_model_resolves_the_entry_per_sub_model(tmp_path):
     written, original = _checkpoint_tensors(tmp_path / "out"), _checkpoint_tensors(tmp_path / "src")
     assert sorted(written) == sorted(original)
     assert all(torch.equal(written[k], original[k]) for k in original)
+
+
+def test_concurrent_loads_see_only_their_own_scoped_conversions(tmp_path):
+    import sys
+    import threading
+
+    plain = _save_plain("llama", tmp_path)
+    attn = _attention_class("llama")
+    barrier = threading.Barrier(4)
+    results: dict[int, object] = {}
+    errors: list[BaseException] = []
+
+    def load(i: int) -> None:
+        try:
+            barrier.wait()
+            if i % 2:
+                with patched({attn.__name__: fused_qkv_class(attn)}, conversions={"llama": [QKV]}):
+                    results[i] = AutoModelForCausalLM.from_pretrained(tmp_path)
+            else:
+                results[i] = AutoModelForCausalLM.from_pretrained(tmp_path)
+        except BaseException as exc:  # surfaced below, with its traceback
+            errors.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    if errors:
+        raise errors[0]
+    for i, model in results.items():
+        fused = hasattr(model.model.layers[0].self_attn, "qkv_proj")
+        assert fused == bool(i % 2)
+        assert len(report(model).conversions) == (4 if i % 2 else 0)
+        torch.testing.assert_close(model.eval()(X).logits, plain(X).logits, atol=1e-5, rtol=0)

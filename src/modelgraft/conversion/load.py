@@ -189,13 +189,18 @@ def apply_load_conversions(
     params = dict(model.named_parameters(remove_duplicate=False))
     params.update(dict(model.named_buffers(remove_duplicate=False)))
     index = checkpoint_index(checkpoint_files)
+    rep = _report_for(model)
+    if not index:
+        rep.problems.append(
+            f"modelgraft converts weights from safetensors files only; `{checkpoint_files[0]}` is not one, so "
+            "no conversion ran. Re-save the checkpoint with `save_pretrained` (safetensors is the default)."
+        )
     renamed = {k: rename(k) for k in index} if rename is not None else {k: k for k in index}
     to_model = {}
     by_renamed = _key_translation(model, set(params), renamed.values())
     for ckpt_key, new_key in renamed.items():
         to_model[ckpt_key] = by_renamed[new_key]
     to_ckpt = {m: c for c, m in to_model.items()}
-    rep = _report_for(model)
 
     def locate(model_key: str) -> tuple[SafetensorsFile, str]:
         ckpt_key = to_ckpt[model_key]
