@@ -114,7 +114,13 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "bloom": {"n_head": 4},
     "distilbert": {"hidden_dim": 128},
     # Two linear-attention layers alone leave the cache without an attention layer.
-    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"]},
+    "qwen3_next": {
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+    },
     "t5": {"d_kv": 16},
     "llava": {"image_seq_length": 16},
     "modernbert": {"global_attn_every_n_layers": 2, "local_attention": 16},

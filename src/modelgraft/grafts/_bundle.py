@@ -272,13 +272,21 @@ def _builtin_conversions(model_type: str) -> tuple[Any, ...]:
                     "carry over; expected only renamings, `MergeModulelist` and `Concatenate`."
                 )
         converters.append((sources, targets, ops))
-    keys = [name for name, _ in meta_model(model_type).named_parameters()] if renamings and converters else []
+    keys = [name for name, _ in meta_model(model_type).named_parameters()] if renamings else []
     out: list[Any] = []
     for sources, targets, ops in converters:
         for (old,), (new,) in (r for r in renamings if len(r[0]) == 1 and len(r[1]) == 1):
             if any(_contains(key, f"{new}.{t}") for key in keys for t in targets):
                 sources, targets = [f"{old}.{p}" for p in sources], [f"{new}.{p}" for p in targets]
         out.append(WeightConverter(sources, targets, ops))
+    # transformers applies every renaming to a key; modelgraft renames a key once. Two renamings
+    # that meet in one key (Phi-MoE: `block_sparse_moe.gate.weight` -> `mlp.router.weight`) are
+    # composed into one that comes first.
+    simple = [(s[0], t[0]) for s, t in renamings if len(s) == 1 and len(t) == 1]
+    for old_a, new_a in simple:
+        for old_b, new_b in simple:
+            if (old_a, new_a) != (old_b, new_b) and any(_contains(k, f"{new_a}.{new_b}") for k in keys):
+                out.append(WeightRenaming(f"{old_a}.{old_b}", f"{new_a}.{new_b}"))
     out.extend(WeightRenaming(sources, targets) for sources, targets in renamings)
     return tuple(out)
 

@@ -30,6 +30,7 @@ FUSED_NAME = "gate_up_proj"
 FUSED_GATE_UP_FAMILIES: tuple[str, ...] = (
     "llama",
     "mistral",
+    "ministral",
     "qwen2",
     "qwen3",
     "gemma",
@@ -37,9 +38,23 @@ FUSED_GATE_UP_FAMILIES: tuple[str, ...] = (
     "gemma3_text",
     "olmo",
     "olmo2",
+    "olmo3",
     "granite",
+    "helium",
+    "smollm3",
+    "seed_oss",
+    "ernie4_5",
+    "hunyuan_v1_dense",
+    "cohere",
+    "cohere2",
+    "exaone4",
     "qwen2_moe",
+    "deepseek_v2",
     "deepseek_v3",
+    "glm4_moe",
+    "dots1",
+    "ernie4_5_moe",
+    "hunyuan_v1_moe",
 )
 
 

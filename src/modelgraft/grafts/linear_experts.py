@@ -49,8 +49,17 @@ LINEAR_EXPERTS_FAMILIES: tuple[str, ...] = (
     "qwen3_moe",
     "mixtral",
     "olmoe",
-    "deepseek_v3",
+    "flex_olmo",
+    "phimoe",
     "minimax",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+    "dots1",
+    "ernie4_5_moe",
+    "hunyuan_v1_moe",
+    "jamba",
+    "qwen3_next",
 )
 
 
