@@ -180,6 +180,18 @@ def test_gradients_of_fused_layers_are_the_concatenated_plain_gradients() -> Non
     torch.testing.assert_close(g_mlp.gate_up_proj.weight.grad, expected, atol=1e-6, rtol=1e-5)
 
 
+def test_gradient_checkpointing_recomputes_through_the_fused_layers() -> None:
+    plain, grafted = _plain_and_grafted("llama", fused_qkv("llama"), fused_gate_up("llama"))
+    inputs = family("llama").inputs(plain.config)
+    for model in (plain, grafted):
+        model.gradient_checkpointing_enable()
+        model.train()
+        model(**inputs, use_cache=False).logits.pow(2).mean().backward()
+    p_attn, g_attn = plain.model.layers[0].self_attn, grafted.model.layers[0].self_attn
+    expected = torch.cat([p_attn.q_proj.weight.grad, p_attn.k_proj.weight.grad, p_attn.v_proj.weight.grad])
+    torch.testing.assert_close(g_attn.qkv_proj.weight.grad, expected, atol=1e-6, rtol=1e-5)
+
+
 def test_generation_with_a_kv_cache_matches_the_plain_model() -> None:
     plain, grafted = _plain_and_grafted("qwen3", fused_qkv("qwen3"), fused_gate_up("qwen3"))
     ids = family("qwen3").inputs(plain.config)["input_ids"]
