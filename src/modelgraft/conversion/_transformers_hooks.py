@@ -89,9 +89,8 @@ def _device_for(device_map: dict | None):
             (p for p in device_map if p == "" or key == p or key.startswith(p + ".")), key=len, default=None
         )
         dev = device_map.get(best, "cpu") if best is not None else "cpu"
-        if dev == "disk":
-            return "cpu"
-        return torch.device(dev) if isinstance(dev, int) else dev
+        # Disk-offloaded weights are read back to the CPU by transformers when used.
+        return "cpu" if dev == "disk" else dev
 
     return device_for
 
