@@ -54,7 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf_logging.set_verbosity_error()
     try:
         overlay = args.command != "verify"  # verify builds its own plain and grafted models
-        with _extra_keys(args.key or [] if overlay else [], args.graft or [] if overlay else []):
+        target = getattr(args, "target", None)
+        model_type = _model_type_of(target) if overlay and target and args.graft else None
+        with _extra_keys(args.key or [] if overlay else [], args.graft or [] if overlay else [], model_type):
             return int(args.run(args))
     except (GraftError, OSError, ValueError, TypeError) as exc:
         if args.json:
@@ -126,13 +128,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 @contextlib.contextmanager
-def _extra_keys(keys: list[str], grafts: list[str]) -> Iterator[None]:
+def _extra_keys(keys: list[str], grafts: list[str], model_type: str | None = None) -> Iterator[None]:
     """Overlay ``--key`` placeholders (and ``--graft`` mappings) on the registry for this command."""
     from modelgraft import registry
 
     mapping: dict[str, type[torch.nn.Module]] = {}
     for ref in grafts:
-        mapping.update(_load_graft(ref).mapping)
+        mapping.update(_load_graft(ref, model_type).mapping)
     for key in keys:
         mapping.setdefault(key, _GivenKey)
     if not mapping:
@@ -144,11 +146,19 @@ def _extra_keys(keys: list[str], grafts: list[str]) -> Iterator[None]:
         yield
 
 
-def _load_graft(ref: str) -> Any:
-    """Resolve ``--graft``: a bundle with ``.mapping``, a factory returning one, or a mapping dict."""
+def _load_graft(ref: str, model_type: str | None = None) -> Any:
+    """Resolve ``--graft``: a bundle with ``.mapping``, a factory returning one, or a mapping dict.
+
+    A factory (``modelgraft.grafts:fused_qkv``) is called with the target's model type when there is
+    one (and it accepts it), else with no arguments (all its families).
+    """
     obj = import_object(ref)
     if not hasattr(obj, "mapping") and callable(obj) and not isinstance(obj, type):
-        obj = obj()  # a graft factory such as `modelgraft.grafts:fused_qkv` (all its families)
+        made = None
+        if model_type is not None:
+            with contextlib.suppress(GraftError, ValueError, TypeError):
+                made = obj(model_type)
+        obj = made if made is not None else obj()
     if isinstance(obj, dict):
         return SimpleNamespace(mapping=obj, conversions=None)
     if not isinstance(getattr(obj, "mapping", None), dict):
@@ -327,7 +337,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from modelgraft.verify import verify
 
     _run_imports(args.imports)
-    bundles = [_load_graft(ref) for ref in args.graft or ()]
+    bundles = [_load_graft(ref, _model_type_of(args.target)) for ref in args.graft or ()]
     result = verify(args.target, graft=bundles or None, atol=args.atol, seed=args.seed)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
@@ -337,6 +347,15 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+
+def _model_type_of(target: str) -> str | None:
+    """The model type a target names (a model type itself, or a folder's / config file's)."""
+    try:
+        config, _ = resolve_config(target)
+    except (GraftError, OSError, ValueError):
+        return None  # reported by the command itself
+    return getattr(config, "model_type", None)
 
 
 def _run_imports(modules: list[str]) -> None:
