@@ -200,19 +200,28 @@ def _special_tokens(
     vocab = kwargs.get("vocab_size") or (text.get("vocab_size") if isinstance(text, dict) else None)
     if vocab is None:
         return {}
-    default = config_class()
+    defaults = _field_defaults(config_class)
     fixed: dict[str, Any] = {}
     next_free = vocab - 1
     for name in sorted(fields):
         if not name.endswith(_SPECIAL_TOKEN_SUFFIXES) or name in kwargs:
             continue
-        value = getattr(default, name, None)
+        value = defaults.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value >= vocab:
             fixed[name] = next_free
             next_free -= 1
         elif isinstance(value, list) and any(isinstance(v, int) and v >= vocab for v in value):
             fixed[name] = [v if v < vocab else vocab - 1 for v in value]
     return fixed
+
+
+def _field_defaults(config_class: type[PretrainedConfig]) -> dict[str, Any]:
+    """Declared defaults, read without building a config (which may log about its own defaults)."""
+    if not dataclasses.is_dataclass(config_class):
+        return vars(config_class())
+    return {
+        f.name: f.default for f in dataclasses.fields(config_class) if f.default is not dataclasses.MISSING
+    }
 
 
 def _config_class(model_type: str) -> type[PretrainedConfig]:
