@@ -129,9 +129,7 @@ def _wrap_post_init(original: Any) -> Any:
     def post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         if has_any_conversions():
-            scopes = _load.resolve_scopes(self)
-            if scopes:
-                object.__setattr__(self, _load.STATE_ATTR, _load.ConversionState(scopes=scopes))
+            _load.remember_conversions(self)
         return result
 
     setattr(post_init, _MARK, original)

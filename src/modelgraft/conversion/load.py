@@ -27,7 +27,7 @@ from modelgraft.conversion.ops import Concatenate
 from modelgraft.conversion.rules import Conversions, has_any_conversions, lookup_conversions
 from modelgraft.report import ConversionRecord, _report_for
 
-__all__ = ["ConversionState", "Scope", "apply_load_conversions", "resolve_scopes"]
+__all__ = ["ConversionState", "Scope", "apply_load_conversions", "remember_conversions", "resolve_scopes"]
 
 STATE_ATTR = "_modelgraft_conversion_state"
 
@@ -91,6 +91,19 @@ def resolve_scopes(model: torch.nn.Module) -> list[Scope]:
             continue
         scopes.append(Scope(path, key, converters, type(module).__name__, model_type))
     return scopes
+
+
+def remember_conversions(model: torch.nn.Module) -> ConversionState | None:
+    """Attach the conversion entries visible now to ``model``, so that it saves its original
+    layout later, after a ``patched(...)`` block has ended (a no-op when no entry applies)."""
+    scopes = resolve_scopes(model)
+    if not scopes:
+        return None
+    state = model.__dict__.get(STATE_ATTR)
+    if state is None or state.scopes != scopes:
+        state = ConversionState(scopes=scopes, groups=list(state.groups) if state is not None else [])
+        object.__setattr__(model, STATE_ATTR, state)
+    return state
 
 
 def scope_for(scopes: Sequence[Scope], param: str) -> Scope | None:
