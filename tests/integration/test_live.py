@@ -264,3 +264,12 @@ def test_modules_the_rebuild_cannot_reach_are_replaced_by_name() -> None:
     assert [b.layer_idx for b in model.blocks] == [0, 1]
     for block, expected in zip(model.blocks, before):
         assert torch.equal(block(x), expected)
+
+
+def test_a_model_on_the_meta_device_stays_there() -> None:
+    graft = fused_qkv("llama")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    graft_model(model, graft.mapping, conversions=graft.conversions)
+    assert "LlamaAttention" not in _classes(model)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
