@@ -287,7 +287,3 @@ class Transpose(ConversionOperation):
 
     def reverse(self, tensors: TensorGroups, context: ConversionContext) -> TensorGroups:
         return [[t.transpose(self.dim0, self.dim1) for t in group] for group in tensors]
-
-
-def _shapes_of(tensors: TensorGroups) -> ShapeGroups:
-    return [[t.shape for t in group] for group in tensors]
