@@ -61,7 +61,7 @@ def main() -> None:
     torch.manual_seed(0)
     config = _config(args)
     plain = LlamaForCausalLM(config).train()
-    graft = fused_qkv() + fused_gate_up()
+    graft = fused_qkv("llama") + fused_gate_up("llama")
     grafted = build_grafted(graft, LlamaForCausalLM, config, plain.state_dict()).train()
     ids = torch.randint(0, args.vocab, (1, args.tokens))
 
