@@ -87,8 +87,14 @@ def test_explain_says_which_key_wins_and_why(capsys: pytest.CaptureFixture[str])
     assert "exact name differs" in out
 
 
-def test_explain_with_a_graft_bundle(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, "explain", "Qwen2Attention", "--graft", "modelgraft.grafts:fused_qkv")
+def test_explain_with_a_graft_bundle(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "my_grafts.py").write_text(
+        "from modelgraft.grafts import fused_qkv\n\nQWEN2 = fused_qkv('qwen2')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, _ = _run(capsys, "explain", "Qwen2Attention", "--graft", "my_grafts:QWEN2")
     assert code == 0
     assert "is replaced by modelgraft.grafts._fused.FusedQKVQwen2Attention: key `Qwen2Attention` wins" in out
 
