@@ -228,9 +228,10 @@ def _ctor_args_from_attributes(module: torch.nn.Module, replacement: type) -> tu
             kwargs[name] = getattr(module, name)
         elif param.default is param.empty:
             raise GraftError(
-                f"Cannot rebuild `{type(module).__qualname__}` as `{replacement.__qualname__}`: its constructor "
-                f"argument `{name}` is not stored on the module, and the model has no `config` to rebuild it "
-                "from. Store it as an attribute of the same name, or load the model with the patch registered."
+                f"Cannot rebuild `{type(module).__name__}` as `{replacement.__name__}`: its constructor argument "
+                f"`{name}` is not stored on the module under that name, so it cannot be recovered. Store it as "
+                "an attribute of the same name, or load the model with the patch registered instead of grafting "
+                "it afterwards. The model was left unchanged."
             )
     return (), kwargs
 

@@ -273,3 +273,22 @@ def test_a_model_on_the_meta_device_stays_there() -> None:
     graft_model(model, graft.mapping, conversions=graft.conversions)
     assert "LlamaAttention" not in _classes(model)
     assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
+class _Opaque(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)  # `width` is not kept under its own name
+
+
+class _OpaqueReplacement(_Opaque):
+    pass
+
+
+def test_unrecoverable_constructor_arguments_are_a_clear_error() -> None:
+    model = nn.Sequential(_Opaque(4))
+    with pytest.raises(
+        GraftError, match=r"`_Opaque` as `_OpaqueReplacement`: its constructor argument `width`"
+    ):
+        graft_model(model, {"_Opaque": _OpaqueReplacement})
+    assert type(model[0]) is _Opaque
