@@ -44,6 +44,7 @@ __all__ = [
     "class_recorders",
     "construction_step_installed",
     "conversion_hooks",
+    "defines_layout_moe",
     "initialize_missing_keys",
     "install_construction_step",
     "install_recorder_lookup",
@@ -360,6 +361,21 @@ def conversion_hooks() -> ModuleType:
     else:
         from modelgraft import _compat_v4_conversion as hooks
     return hooks
+
+
+def defines_layout_moe(source: str) -> bool:
+    """Whether a modeling file's source defines an MoE layer in the layout only this version has.
+
+    transformers 5.x MoE families define a router class next to an experts class (found by name
+    in :mod:`modelgraft.moe`); this is ``False`` there. On 4.57 many families instead keep a
+    ``ModuleList`` of per-expert MLPs next to an ``nn.Linear`` gate (or a router class).
+
+    Example:
+        >>> src = "self.gate = nn.Linear(h, e)\nself.experts = nn.ModuleList([MLP() for _ in range(e)])"
+        >>> defines_layout_moe(src) == (not IS_V5)
+        True
+    """
+    return _impl.defines_layout_moe(source)
 
 
 def rebind_class_tables(

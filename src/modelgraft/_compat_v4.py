@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
@@ -39,6 +40,7 @@ _ATTR = "_can_record_outputs"
 _HOOKS_ATTR = "_modelgraft_recorder_hooks"
 _STEP_MARK = "__modelgraft_construction_step__"
 _ROUTER_NAMES = ("gate", "router")
+_ROUTER_CLASS = re.compile(r"(Router|Gate|Gating)$")
 _LOCK = threading.RLock()
 
 # Bound models whose forward is running, innermost last (per thread and per asyncio task).
@@ -202,8 +204,9 @@ def initialize_missing_keys(model: nn.Module, missing: set[str]) -> None:
 def moe_router_candidates(modules: Mapping[str, nn.Module]) -> Iterator[tuple[str, nn.Module, nn.Module]]:
     """See :func:`modelgraft._compat.moe_router_candidates`.
 
-    A candidate is a child named ``gate`` or ``router`` with a 2D ``weight`` of one row per expert,
-    next to an ``experts`` ``ModuleList`` of that many experts.
+    A candidate is a child named ``gate`` or ``router`` next to an ``experts`` ``ModuleList``: an
+    ``nn.Linear``-like gate with a 2D ``weight`` of one row per expert, or a router class
+    (``*Router``/``*Gate``/``*Gating``) whose experts are plain MLPs (not found by class name).
     """
     for name, module in modules.items():
         parent_name, _, leaf = name.rpartition(".")
@@ -211,13 +214,12 @@ def moe_router_candidates(modules: Mapping[str, nn.Module]) -> Iterator[tuple[st
             continue
         parent = modules.get(parent_name)
         experts = getattr(parent, "experts", None)
+        if not isinstance(experts, nn.ModuleList):
+            continue
         weight = getattr(module, "weight", None)
-        if (
-            isinstance(experts, nn.ModuleList)
-            and isinstance(weight, torch.Tensor)
-            and weight.dim() == 2
-            and weight.shape[0] == len(experts)
-        ):
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == len(experts):
+            yield name, module, parent
+        elif _ROUTER_CLASS.search(type(module).__name__):
             yield name, module, parent
 
 
@@ -238,3 +240,12 @@ def rebind_class_tables(module: Any, swapped: Mapping[type, type]) -> list[tuple
                 table[key] = new
                 log.append((table, key, cls, new))
     return log
+
+
+_EXPERT_LIST_SRC = re.compile(r"self\.experts\s*=\s*nn\.ModuleList\(")
+_ROUTER_SRC = re.compile(r"self\.(gate|router)\s*=\s*nn\.Linear\(|^class \w+(Router|Gate|Gating)\(", re.M)
+
+
+def defines_layout_moe(source: str) -> bool:
+    """See :func:`modelgraft._compat.defines_layout_moe`."""
+    return bool(_EXPERT_LIST_SRC.search(source) and _ROUTER_SRC.search(source))

@@ -153,3 +153,8 @@ def moe_router_candidates(modules: Mapping[str, nn.Module]) -> Iterator[tuple[st
 def rebind_class_tables(module: Any, swapped: Mapping[type, type]) -> list:
     """See :func:`modelgraft._compat.rebind_class_tables`: nothing to do on 5.x."""
     return []
+
+
+def defines_layout_moe(source: str) -> bool:
+    """See :func:`modelgraft._compat.defines_layout_moe`: no such layout on 5.x."""
+    return False

@@ -11,6 +11,7 @@ from functools import cache
 import pytest
 import torch
 
+from _versions import MIN_MOE_FAMILIES, MIN_MOE_FAMILIES_RUNNING
 from modelgraft.errors import RoutingError
 from modelgraft.moe import moe_layers, record_routing, replay_routing
 from modelgraft.moe._families import build_tiny, moe_model_types
@@ -100,7 +101,7 @@ def _parent_of(model: torch.nn.Module, name: str) -> torch.nn.Module:
 
 
 def test_family_discovery_finds_the_installed_families() -> None:
-    assert len(FAMILIES) >= 36
+    assert len(FAMILIES) >= MIN_MOE_FAMILIES  # 36 on transformers 5.23, 25 on 4.57
     assert {"qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"} <= set(FAMILIES)
 
 
@@ -170,4 +171,4 @@ def test_at_least_30_families_run() -> None:
     print(f"{len(usable)} MoE families run, {len(skipped)} skipped:")
     for model_type, reason in skipped.items():
         print(f"  {model_type}: {reason}")
-    assert len(usable) >= 30
+    assert len(usable) >= MIN_MOE_FAMILIES_RUNNING  # 30 on transformers 5.23, 17 on 4.57

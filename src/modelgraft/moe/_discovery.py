@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from modelgraft import _compat
+
 __all__ = ["MoELayer", "find_moe_layers", "unsupported_reason"]
 
 _ROUTER_CLASS = re.compile(r"(Router|Gate|Gating)$")
@@ -50,6 +52,9 @@ _NUM_EXPERTS_ATTRS = ("num_experts", "n_routed_experts", "num_local_experts", "n
 # need family-specific code, which this package deliberately does not carry.
 _UNSUPPORTED = {
     "PhimoeTopKRouter": "selects with `sparsemixer` (two masked `max` passes, Gumbel sampling in "
+    "training), not a top-k over the experts",
+    # transformers 4.57: Phi-MoE selects inside its block (the router is a plain `nn.Linear` gate).
+    "PhimoeSparseMoeBlock": "selects with `sparsemixer` (two masked `max` passes, Gumbel sampling in "
     "training), not a top-k over the experts",
     "DeepseekV4HashRouter": "routes by a fixed hash of the token id; there is no learned selection to replay",
     "SwitchTransformersTop1Router": "selects with `argmax` and token capacity dropping, not a top-k",
@@ -106,13 +111,17 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
     config = getattr(model, "config", None)
     found: list[MoELayer] = []
     modules = dict(model.named_modules())
+    # Routers that only the installed layout has (4.57: an `nn.Linear` gate inside the MoE block).
+    layout_routers = {name: parent for name, _, parent in _compat.moe_router_candidates(modules)}
     for name, module in modules.items():
-        if not _ROUTER_CLASS.search(type(module).__name__):
-            continue
-        parent_name = name.rpartition(".")[0]
-        parent = modules.get(parent_name, model) if name else model
-        if parent is module or not _holds_experts(parent, module):
-            continue
+        parent = layout_routers.get(name)
+        if parent is None:
+            if not _ROUTER_CLASS.search(type(module).__name__):
+                continue
+            parent_name = name.rpartition(".")[0]
+            parent = modules.get(parent_name, model) if name else model
+            if parent is module or not _holds_experts(parent, module):
+                continue
         top_k = _top_k(module, parent, config)
         num_experts = _num_experts(module, parent, config)
         if top_k is None or num_experts is None:

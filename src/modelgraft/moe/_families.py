@@ -21,6 +21,8 @@ import torch
 import transformers
 from torch import nn
 
+from modelgraft import _compat
+
 __all__ = ["TINY", "build_tiny", "moe_model_types"]
 
 _ROUTER_DEF = re.compile(r"^class \w+(Router|Gate|Gating)\(", re.M)
@@ -85,7 +87,9 @@ def moe_model_types() -> tuple[str, ...]:
     for path in sorted(glob.glob(os.path.join(root, "*", "modeling_*.py"))):
         with open(path, encoding="utf-8") as handle:
             source = handle.read()
-        if not (_ROUTER_DEF.search(source) and _EXPERTS_DEF.search(source)):
+        if not (
+            _ROUTER_DEF.search(source) and _EXPERTS_DEF.search(source)
+        ) and not _compat.defines_layout_moe(source):
             continue
         module = os.path.basename(os.path.dirname(path))
         types = by_module.get(module, [])

@@ -52,7 +52,7 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
             "`*Experts` module); record/replay needs a Mixture-of-Experts model."
         )
     for layer in layers:
-        reason = unsupported_reason(layer.router)
+        reason = unsupported_reason(layer.router) or unsupported_reason(layer.scope)
         if reason:
             raise RoutingError(
                 f"MoE layer `{layer.name}` ({type(layer.router).__name__}) cannot be recorded or replayed: {reason}."
