@@ -66,6 +66,16 @@ def test_invalid_patterns_are_rejected(bad):
         WeightConverter([bad], ["x"], [Concatenate()])
 
 
+@pytest.mark.parametrize(
+    "regex", [r"\.experts.*.w1.weight", "^model.q_proj$", "experts.w*.weight", "(q|k)_proj"]
+)
+def test_regex_looking_patterns_are_rejected_with_the_syntax(regex):
+    with pytest.raises(
+        ConversionError, match=r"looks like a regular expression.*`mlp\.experts\.\*\.w1\.weight`"
+    ):
+        WeightConverter([regex], ["x"], [Concatenate()])
+
+
 def test_converter_rejects_foreign_operations():
     with pytest.raises(ConversionError, match=r"is not a modelgraft `ConversionOperation`"):
         WeightConverter(["a"], ["b"], [object()])

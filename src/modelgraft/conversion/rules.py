@@ -42,7 +42,7 @@ __all__ = [
     "unregister_checkpoint_conversion_mapping",
 ]
 
-_SEGMENT = re.compile(r"[^.]+")
+_REGEX_CHARS = re.compile(r"[\\^$()\[\]{}+?|]")
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,12 @@ class _Pattern:
             raise ConversionError(
                 f"Pattern `{text}` is not a dotted run of key segments (for example `q_proj` or "
                 "`mlp.experts.*.gate_proj.weight`)."
+            )
+        if _REGEX_CHARS.search(text) or any("*" in seg and seg != "*" for seg in segments):
+            raise ConversionError(
+                f"Pattern `{text}` looks like a regular expression. modelgraft patterns are dotted key segments, "
+                "with `*` standing for one whole index segment: write `mlp.experts.*.w1.weight`, not "
+                "`\\.experts.*.w1.weight`."
             )
         if segments.count("*") > 1:
             raise ConversionError(
