@@ -13,7 +13,7 @@ import torch
 
 from _versions import MIN_MOE_FAMILIES, MIN_MOE_FAMILIES_RUNNING
 from modelgraft.errors import RoutingError
-from modelgraft.moe import moe_layers, record_routing, replay_routing
+from modelgraft.moe import _intercept, moe_layers, record_routing, replay_routing
 from modelgraft.moe._families import build_tiny, moe_model_types
 
 FAMILIES = moe_model_types()
@@ -54,9 +54,9 @@ def _out(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return logits if logits is not None else out.last_hidden_state
 
 
-def _expert_inputs(model: torch.nn.Module) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list]:
+def _expert_inputs(model: torch.nn.Module) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor]], list]:
     """Hook each experts module to see the (indices, weights) it is given, where its call shows them."""
-    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    seen: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     handles = []
     for layer in moe_layers(model):
         parent = layer.scope if layer.scope is not layer.router else None
@@ -67,12 +67,14 @@ def _expert_inputs(model: torch.nn.Module) -> tuple[list[tuple[torch.Tensor, tor
         if not experts:
             continue
 
-        def hook(module, args, kwargs, k=layer.top_k):
+        def hook(module, args, kwargs, k=layer.top_k, name=layer.name):
             tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
             idx = [t for t in tensors if not t.is_floating_point() and t.shape[-1:] == (k,)]
             wts = [t for t in tensors if t.is_floating_point() and idx and t.shape == idx[0].shape]
             if idx and wts:
-                seen.append((idx[0].detach().reshape(-1, k).clone(), wts[0].detach().reshape(-1, k).clone()))
+                seen.append(
+                    (name, idx[0].detach().reshape(-1, k).clone(), wts[0].detach().reshape(-1, k).clone())
+                )
 
         handles.append(experts[0].register_forward_pre_hook(hook, with_kwargs=True))
     return seen, handles
@@ -100,13 +102,37 @@ def _parent_of(model: torch.nn.Module, name: str) -> torch.nn.Module:
     return model.get_submodule(name.rpartition(".")[0]) if "." in name else model
 
 
+@pytest.fixture
+def selections(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(layer, indices, scores) of every expert-selection top-k, as the family's code received them."""
+    captured: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    original = _intercept._SelectionMode._topk
+
+    def spy(self, func, args, kwargs):
+        already = self.site.selected
+        out = original(self, func, args, kwargs)
+        if not already and self.site.selected:
+            k = self.site.layer.top_k
+            captured.append(
+                (
+                    self.site.layer.name,
+                    out.indices.detach().reshape(-1, k),
+                    out.values.detach().reshape(-1, k),
+                )
+            )
+        return out
+
+    monkeypatch.setattr(_intercept._SelectionMode, "_topk", spy)
+    return captured
+
+
 def test_family_discovery_finds_the_installed_families() -> None:
     assert len(FAMILIES) >= MIN_MOE_FAMILIES  # 36 on transformers 5.23, 25 on 4.57
     assert {"qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"} <= set(FAMILIES)
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_replay_contract(model_type: str) -> None:
+def test_replay_contract(model_type: str, selections: list) -> None:
     model = _model_or_skip(model_type)
     layers = moe_layers(model)
     ids = torch.randint(1, 128, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
@@ -126,11 +152,14 @@ def test_replay_contract(model_type: str) -> None:
 
     # Unchanged weights: bit-identical.
     seen, handles = _expert_inputs(model)
+    selections.clear()
     with replay_routing(model, trace), torch.no_grad():
         replayed = _out(model, ids)
     assert torch.equal(replayed, reference)
     before = list(seen)
     seen.clear()
+    selected_before = list(selections)
+    selections.clear()
 
     # Perturbed router: same experts, different routing weights, and the router gets a gradient.
     routers = [layer.router for layer in layers]
@@ -153,12 +182,23 @@ def test_replay_contract(model_type: str) -> None:
             router.load_state_dict(state)
     after = list(seen)
     assert not torch.equal(out.detach(), reference)
+    # What the family's own code got back from its selection: the recorded experts, live scores.
+    # (Keyed by layer: execution order may differ from module order, e.g. JetMoE's attention experts.)
+    by_name_before = {name: (idx, score) for name, idx, score in selected_before}
+    by_name_after = {name: (idx, score) for name, idx, score in selections}
+    assert len(selected_before) == len(selections) == len(layers)
+    for layer, routes in zip(layers, trace):
+        (idx_b, score_b), (idx_a, score_a) = by_name_before[layer.name], by_name_after[layer.name]
+        assert torch.equal(idx_b, routes) and torch.equal(idx_a, routes), layer.name
+        assert not torch.equal(score_a, score_b), layer.name
     if before:  # the family's experts module shows the indices and weights it receives
+        routes_of = {layer.name: routes for layer, routes in zip(layers, trace)}
+        weights_before = {name: w for name, _, w in before}
         assert len(after) == len(before)
-        for (idx_b, w_b), (idx_a, w_a), routes in zip(before, after, trace):
-            assert torch.equal(idx_b.long(), routes)
-            assert torch.equal(idx_a.long(), routes)
-            assert not torch.equal(w_a, w_b)
+        for (name, idx_b, _), (name_a, idx_a, w_a) in zip(before, after):
+            assert name == name_a
+            assert torch.equal(idx_b.long(), routes_of[name]) and torch.equal(idx_a.long(), routes_of[name])
+            assert not torch.equal(w_a, weights_before[name]), name
     grads = [p.grad for r in routers for p in r.parameters() if p.requires_grad]
     assert any(g is not None and bool(g.abs().sum() > 0) for g in grads), "router weight got no gradient"
 

@@ -45,8 +45,26 @@ __all__ = ["MoELayer", "find_moe_layers", "unsupported_reason"]
 _ROUTER_CLASS = re.compile(r"(Router|Gate|Gating)$")
 _TOP_N_IN_NAME = re.compile(r"Top(\d+)Router$")
 _TOPK_CALL = re.compile(r"\.topk\(|torch\.topk\b")
-_TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "moe_topk", "moe_k", "num_selected_experts", "topk", "k")
-_NUM_EXPERTS_ATTRS = ("num_experts", "n_routed_experts", "num_local_experts", "n_experts", "moe_num_experts")
+_TOP_K_ATTRS = (
+    "top_k",
+    "num_experts_per_tok",
+    "top_k_experts",
+    "moe_topk",
+    "moe_k",
+    "num_selected_experts",
+    "topk",
+    "k",
+)
+# `num_router_classes` first: a router that can also pick a "skip" expert (ZAYA) selects over more
+# classes than there are experts, and the selection is what is recorded.
+_NUM_EXPERTS_ATTRS = (
+    "num_router_classes",
+    "num_experts",
+    "n_routed_experts",
+    "num_local_experts",
+    "n_experts",
+    "moe_num_experts",
+)
 
 # Routers whose selection is not one top-k over the experts dimension: replaying them would
 # need family-specific code, which this package deliberately does not carry.
@@ -99,7 +117,7 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
     """List the routing sites of ``model`` in module order.
 
     A module is a router when its class name ends with ``Router``, ``Gate`` or ``Gating`` and its
-    parent also holds a module whose class name mentions ``Expert``; the latter check keeps out
+    parent also has a child whose class name mentions ``Expert``; the latter check keeps out
     unrelated "routers" (e.g. a vision density router) that select no experts.
 
     Args:
@@ -134,7 +152,9 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
 
 
 def _holds_experts(parent: nn.Module, router: nn.Module) -> bool:
-    return any(m is not router and "Expert" in type(m).__name__ for m in parent.modules())
+    # A direct sibling: a gate elsewhere in a decoder layer that merely contains an MoE block
+    # (e.g. a learned residual gate) is not a router.
+    return any(m is not router and "Expert" in type(m).__name__ for m in parent.children())
 
 
 @cache

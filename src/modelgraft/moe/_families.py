@@ -49,6 +49,8 @@ TINY: dict[str, Any] = {
     "moe_num_experts": 8,
     "num_experts_per_tok": 2,
     "moe_topk": 2,
+    "top_k_experts": 2,
+    "num_dense_layers": 0,
     "moe_k": 2,
     "top_k": 2,
     "n_group": 4,
@@ -64,6 +66,37 @@ TINY: dict[str, Any] = {
     "v_head_dim": 8,
     "sliding_window": 16,
     "pad_token_id": 0,
+    "n_shared_experts": 1,
+    "moe_hidden_size": 16,
+    "linear_head_dim": 16,
+    "index_head_dim": 16,
+    "index_topk": 4,
+    "router_hidden_size": 16,
+    "shared_intermediate_size": 16,
+    "expert_ffn_hidden_size": 16,
+    "zero_expert_num": 2,
+    "hidden_size_per_layer_input": 8,
+    "vocab_size_per_layer_input": 128,
+    "mamba_n_heads": 4,
+    "mamba_d_state": 8,
+    "mamba_chunk_size": 16,
+}
+
+# Family-specific fixes on top of TINY (sizes the generic table cannot express).
+_OVERRIDES: dict[str, dict[str, Any]] = {
+    "zaya": {"num_experts_per_tok": 1},
+    "gemma4_text": {"enable_moe_block": True, "per_layer_config": {}},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    "ernie4_5_vl_moe_text": {"moe_intermediate_size": [16, 16]},
+    "mimo_v2_flash": {"head_dim": 24},
+    "glm4v_moe_text": {
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 1, 1],
+        }
+    },
 }
 
 
@@ -115,6 +148,7 @@ def build_tiny(model_type: str, seed: int = 0, **overrides: Any) -> nn.Module:
     default = AutoConfig.for_model(model_type)
     known = set(default.to_dict())
     kwargs = {k: v for k, v in TINY.items() if k in known}
+    kwargs.update(_OVERRIDES.get(model_type, {}))
     if "qk_rope_head_dim" in known:
         kwargs.pop("head_dim", None)  # multi-head latent attention derives its head sizes itself
     kwargs.update(overrides)
