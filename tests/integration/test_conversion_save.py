@@ -10,6 +10,12 @@ from conversion_helpers import GATE_UP, QKV, FusedGateUpLlamaMLP, fused_qkv_clas
 from safetensors.torch import load_file
 from test_conversion_load import FAMILIES, X, _attention_class, _checkpoint_tensors, _config, _save_plain
 from transformers import AutoModelForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
 
 from modelgraft import (
     ConversionOperation,
@@ -128,3 +134,44 @@ def test_user_operation_without_reverse_cannot_save_the_original_layout(tmp_path
     assert "model.layers.0.self_attn.qkv_proj.weight" in load_file(
         Path(tmp_path / "fused") / "model.safetensors"
     )
+
+
+class _RenamedTransposedAttention(LlamaAttention):
+    """q/k/v under other names, and the output projection stored transposed as a raw parameter."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.wq, self.wk, self.wv = self.q_proj, self.k_proj, self.v_proj
+        self.wo_t = torch.nn.Parameter(torch.empty(self.o_proj.in_features, self.o_proj.out_features))
+        self.wo_bias = torch.nn.Parameter(torch.empty(self.o_proj.out_features))
+        del self.q_proj, self.k_proj, self.v_proj, self.o_proj
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q, k, v = (w(hidden_states).view(shape).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        name = self.config._attn_implementation
+        interface = eager_attention_forward if name == "eager" else ALL_ATTENTION_FUNCTIONS[name]
+        out, weights = interface(self, q, k, v, attention_mask, scaling=self.scaling, **kwargs)
+        return out.reshape(*hidden_states.shape[:-1], -1) @ self.wo_t + self.wo_bias, weights
+
+
+def test_renaming_and_transpose_round_trip(tmp_path):
+    from modelgraft import Transpose, WeightRenaming
+
+    plain = _save_plain("llama", tmp_path / "src")
+    conversions = [
+        WeightRenaming(["q_proj", "k_proj", "v_proj"], ["wq", "wk", "wv"]),
+        WeightConverter("o_proj.weight", "wo_t", [Transpose(0, 1)]),
+        WeightRenaming("o_proj.bias", "wo_bias"),
+    ]
+    with patched({"LlamaAttention": _RenamedTransposedAttention}, conversions={"llama": conversions}):
+        model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "src", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ckpt = _checkpoint_tensors(tmp_path / "src")
+    attn = model.model.layers[0].self_attn
+    assert torch.equal(attn.wo_t, ckpt["model.layers.0.self_attn.o_proj.weight"].T)
+    assert torch.equal(attn.wk.bias, ckpt["model.layers.0.self_attn.k_proj.bias"])
+    torch.testing.assert_close(model.eval()(X).logits, plain(X).logits, atol=1e-5, rtol=0)
+    model.save_pretrained(tmp_path / "out")
+    _assert_bit_identical(_checkpoint_tensors(tmp_path / "out"), ckpt)
