@@ -49,9 +49,9 @@ def _save_plain(family: str, path: Path, **save_kwargs) -> torch.nn.Module:
     return model
 
 
-def _load_fused(family: str, path, **kwargs):
+def _load_fused(family: str, path, strict: bool = False, **kwargs):
     attn = _attention_class(family)
-    with patched({attn.__name__: fused_qkv_class(attn)}, conversions={family: [QKV]}):
+    with patched({attn.__name__: fused_qkv_class(attn)}, conversions={family: [QKV]}, strict=strict):
         return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
 
 
@@ -149,7 +149,7 @@ def test_fused_qkv_and_gate_up_together_with_a_clean_load_report(tmp_path):
 
 def test_report_lists_each_conversion_with_source_and_target_keys(tmp_path):
     _save_plain("llama", tmp_path)
-    model = _load_fused("llama", tmp_path)
+    model = _load_fused("llama", tmp_path, strict=True)  # a complete conversion is no problem for strict mode
     records = report(model).conversions
     assert len(records) == 4  # weight and bias of 2 layers
     rec = next(r for r in records if r.target_keys == ("model.layers.0.self_attn.qkv_proj.weight",))
