@@ -116,7 +116,7 @@ class Graft:
         out: dict[str, list[WeightConverter]] = {}
         for model_type, parts in self._resolved.items():
             drop = any(p.drop_expert_merges for p in parts)
-            converters = [c for p in parts for c in p.converters]
+            converters = list(dict.fromkeys(c for p in parts for c in p.converters))  # a graft added twice
             builtin = [c for c in _builtin_conversions(model_type) if not (drop and _merges_experts(c))]
             out[model_type] = builtin + converters
         return out
