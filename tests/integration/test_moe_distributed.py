@@ -56,7 +56,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         trace = _trace(model, ids)  # each rank records its own rollout
         _perturb(model)  # the policy moved since the rollout
         model.train()
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        # Per-expert MLPs (transformers 4.57) that no token of this rank reaches take no part in
+        # its backward; DDP must be told, as for any MoE model with per-expert parameters.
+        ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
         with replay_routing(model, trace):
             _loss(ddp, ids).backward()
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from _versions import requires_v5_because
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 EXPECTED = {
@@ -29,7 +31,19 @@ EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
+# The seed's recipe subclasses `Qwen3MoeTopKRouter` and uses `output_capturing`: transformers 5.x only.
+_V5_ONLY = {"seed_moe_replay.py"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=requires_v5_because("the seed's recipe subclasses `Qwen3MoeTopKRouter`"))
+        if n in _V5_ONLY
+        else n
+        for n in sorted(EXPECTED)
+    ],
+)
 def test_moe_example_runs(name: str) -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     done = subprocess.run(
