@@ -20,6 +20,7 @@ from families import family
 from modelgraft.conversion import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from modelgraft.errors import ConversionError, PatchRegistrationError
 from modelgraft.grafts import (
+    FusedSlice,
     FusionError,
     Graft,
     GraftConflictError,
@@ -190,6 +191,25 @@ def test_gradient_checkpointing_recomputes_through_the_fused_layers() -> None:
     p_attn, g_attn = plain.model.layers[0].self_attn, grafted.model.layers[0].self_attn
     expected = torch.cat([p_attn.q_proj.weight.grad, p_attn.k_proj.weight.grad, p_attn.v_proj.weight.grad])
     torch.testing.assert_close(g_attn.qkv_proj.weight.grad, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_torch_compile_traces_the_fused_layers_without_graph_breaks() -> None:
+    import torch._dynamo
+
+    plain, grafted = _plain_and_grafted("llama", fused_qkv("llama"), fused_gate_up("llama"))
+    inputs = family("llama").inputs(plain.config)
+    torch._dynamo.reset()
+    compiled = torch.compile(grafted.eval(), backend="eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            compiled(**inputs).logits, plain.eval()(**inputs).logits, atol=1e-6, rtol=0
+        )
+        other = family("llama").inputs(plain.config, seed=1)
+        torch.testing.assert_close(compiled(**other).logits, plain(**other).logits, atol=1e-6, rtol=0)
+    torch._dynamo.reset()
+    # nothing traced is left holding activations
+    groups = {m._group for m in grafted.modules() if isinstance(m, FusedSlice)}
+    assert groups and all(g._traced is None for g in groups)
 
 
 def test_generation_with_a_kv_cache_matches_the_plain_model() -> None:

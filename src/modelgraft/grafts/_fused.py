@@ -66,10 +66,11 @@ class _FusionGroup:
         self.fused_name = fused_name
         self.sizes = sizes
         self._local = threading.local()
+        self._traced: tuple[torch.Tensor, tuple[torch.Tensor, ...], set[int]] | None = None
 
     def __getstate__(self) -> dict[str, object]:
         # Cached activations are neither copyable nor worth copying; thread-locals not picklable.
-        return {"owner": self.owner, "fused_name": self.fused_name, "sizes": self.sizes}
+        return {"owner": self.owner, "fused_name": self.fused_name, "sizes": self.sizes, "_traced": None}
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
@@ -80,6 +81,8 @@ class _FusionGroup:
 
     def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
         fused = self.fused()
+        if torch.compiler.is_compiling():
+            return self._traced_part(fused, x, index)
         weight = getattr(fused, "weight", None)
         weight_version = weight._version if isinstance(weight, torch.Tensor) else -1
         grad_enabled = torch.is_grad_enabled()
@@ -99,6 +102,19 @@ class _FusionGroup:
         parts = tuple(fused(x).split(self.sizes, dim=-1))
         pending = set(range(len(parts))) - {index}
         self._local.cached = _Cached(x, x._version, weight_version, grad_enabled, parts, pending)
+        return parts[index]
+
+    def _traced_part(self, fused: nn.Module, x: torch.Tensor, index: int) -> torch.Tensor:
+        # Under torch.compile the identity of ``x`` is known while tracing, but version counters
+        # are not; a compiled graph always runs with the weights it is given, so identity is enough.
+        traced = self.__dict__.get("_traced")
+        if traced is not None and traced[0] is x and index in traced[2]:
+            traced[2].discard(index)
+            if not traced[2]:
+                self._traced = None
+            return traced[1][index]
+        parts = tuple(fused(x).split(self.sizes, dim=-1))
+        self._traced = (x, parts, set(range(len(parts))) - {index})
         return parts[index]
 
 
