@@ -147,6 +147,7 @@ def test_replay_contract(model_type: str, selections: list) -> None:
         raise AssertionError(f"{model_type} runs plainly but fails while recording") from exc
     assert len(trace) == len(layers)
     for layer, routes in zip(layers, trace):
+        assert layer.top_k < layer.num_experts, f"{layer.name}: a choice among experts is needed to test"
         assert routes.shape == (BATCH * SEQ, layer.top_k), layer.name
         assert 0 <= int(routes.min()) and int(routes.max()) < layer.num_experts
 

@@ -146,7 +146,7 @@ def build_tiny(model_type: str, seed: int = 0, **overrides: Any) -> nn.Module:
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
-    known = set(default.to_dict())
+    known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
     kwargs = {k: v for k, v in TINY.items() if k in known}
     kwargs.update(_OVERRIDES.get(model_type, {}))
     if "qk_rope_head_dim" in known:
