@@ -15,6 +15,8 @@ from __future__ import annotations
 __all__ = [
     "ConversionError",
     "ConversionShapeError",
+    "FusionError",
+    "GraftConflictError",
     "GraftError",
     "IrreversibleConversionError",
     "MissingSourceKeyError",
@@ -22,6 +24,8 @@ __all__ = [
     "ReplacementTypeError",
     "RoutingError",
     "StrictModeError",
+    "UnknownModelTypeError",
+    "UnsupportedFamilyError",
     "UnsupportedTransformersError",
 ]
 
@@ -64,3 +68,22 @@ class RoutingError(GraftError, ValueError):
 
 class UnsupportedTransformersError(GraftError, ImportError):
     """The installed transformers version is not one modelgraft supports."""
+
+
+class UnknownModelTypeError(GraftError, KeyError):
+    """A ``model_type`` that the installed transformers does not know (``modelgraft.testing``)."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted
+        return str(self.args[0]) if self.args else ""
+
+
+class UnsupportedFamilyError(GraftError, ValueError):
+    """A ready-made graft was asked for a model type it cannot handle (``modelgraft.grafts``)."""
+
+
+class GraftConflictError(GraftError, ValueError):
+    """Two grafts replace the same class with different replacements (``modelgraft.grafts``)."""
+
+
+class FusionError(GraftError, TypeError):
+    """Layers cannot be fused: missing, not ``nn.Linear``, or disagreeing (``modelgraft.grafts``)."""

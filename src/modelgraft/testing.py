@@ -23,7 +23,7 @@ from typing import Any
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from modelgraft.errors import GraftError
+from modelgraft.errors import UnknownModelTypeError
 
 __all__ = ["UnknownModelTypeError", "tiny_config", "tiny_overrides"]
 
@@ -127,13 +127,6 @@ _FAMILY: dict[str, dict[str, Any]] = {
 }
 
 _SPECIAL_TOKEN_SUFFIXES = ("token_id", "token_index", "_token_ids")
-
-
-class UnknownModelTypeError(GraftError, KeyError):
-    """``model_type`` is not a model type of the installed transformers."""
-
-    def __str__(self) -> str:  # KeyError would print the message quoted
-        return str(self.args[0])
 
 
 def _fields(config_class: type[PretrainedConfig]) -> set[str]:
@@ -257,7 +250,7 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
         >>> tiny_config("lama")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        modelgraft.testing.UnknownModelTypeError: Unknown model type `lama`: ...
+        modelgraft.errors.UnknownModelTypeError: Unknown model type `lama`: ...
     """
     kwargs = tiny_overrides(model_type)
     for name, value in overrides.items():

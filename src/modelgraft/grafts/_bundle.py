@@ -26,20 +26,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from modelgraft.errors import GraftError
+from modelgraft.errors import GraftConflictError, UnsupportedFamilyError
 
 if TYPE_CHECKING:
     from modelgraft.conversion import WeightConverter
 
 __all__ = ["Graft", "GraftConflictError", "UnsupportedFamilyError", "build_grafted", "graft_built_model"]
-
-
-class UnsupportedFamilyError(GraftError, ValueError):
-    """A graft was asked for a model type it cannot handle."""
-
-
-class GraftConflictError(GraftError, ValueError):
-    """Two grafts replace the same class with different replacements."""
 
 
 @dataclass(frozen=True)

@@ -33,13 +33,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from modelgraft.errors import GraftError
+from modelgraft.errors import FusionError
 
 __all__ = ["FusedSlice", "FusionError", "fuse_linears", "fused_subclass"]
-
-
-class FusionError(GraftError, TypeError):
-    """A module cannot be fused: the layers are missing, not ``nn.Linear``, or disagree."""
 
 
 @dataclass
