@@ -101,6 +101,13 @@ def test_from_vllm_rejects_floats_and_bad_ids(model: torch.nn.Module) -> None:
         from_vllm(bad, model, input_lengths=[5])
 
 
+def test_from_vllm_refuses_repeated_layer_ids() -> None:
+    with pytest.raises(
+        RoutingError, match=r"several routing sites per decoder layer \(layer ids \[0, 0, 1, 1\]\)"
+    ):
+        from_vllm(_engine_output([5]), moe_layer_ids=[0, 0, 1, 1], num_experts=8, input_lengths=[5])
+
+
 def test_from_vllm_needs_layer_information() -> None:
     with pytest.raises(RoutingError, match=r"Pass `model`, or `moe_layer_ids` and `num_experts`"):
         from_vllm(_engine_output([5]), input_lengths=[5])

@@ -173,6 +173,11 @@ def from_vllm(
         raise RoutingError(
             "Pass `model`, or `moe_layer_ids` and `num_experts`, to know which layers are MoE."
         )
+    if len(set(ids)) != len(ids):
+        raise RoutingError(
+            f"The model has several routing sites per decoder layer (layer ids {ids}); engine arrays indexed "
+            "by decoder layer cannot say which is which. Build the trace with `layout_requests` instead."
+        )
     mask = _mask(attention_mask, input_lengths, padding_side, len(routed_experts))
     requests = []
     for i, raw in enumerate(routed_experts):
