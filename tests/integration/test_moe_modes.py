@@ -147,3 +147,24 @@ def test_padded_batch_real_tokens_get_recorded_experts_pads_spread(padding_side:
         logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
     for i in range(2):
         torch.testing.assert_close(logits[i][mask[i].bool()], unpadded[i], rtol=1e-4, atol=1e-5)
+
+
+def test_several_forwards_in_one_record_block_concatenate_and_a_saved_trace_replays(tmp_path) -> None:
+    from modelgraft.moe import RoutingTrace
+
+    model = _tiny()
+    first, second = _ids(seed=1), _ids(1, 3, seed=2)
+    with torch.no_grad(), record_routing(model) as trace:
+        model(input_ids=first, use_cache=False)
+        model(input_ids=second, use_cache=False)
+    with torch.no_grad(), record_routing(model) as only_second:
+        reference = model(input_ids=second, use_cache=False).logits
+    assert [tuple(t.shape) for t in trace] == [(11, 2), (11, 2)]
+    assert all(torch.equal(t[8:], s) for t, s in zip(trace, only_second))
+
+    only_second.save(tmp_path / "routing.safetensors")
+    loaded = RoutingTrace.load(tmp_path / "routing.safetensors")
+    assert loaded.model_type == "qwen3_moe" and loaded.layer_ids == [0, 1]
+    assert loaded.layer_names == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    with torch.no_grad(), replay_routing(model, loaded):
+        assert torch.equal(model(input_ids=second, use_cache=False).logits, reference)
