@@ -371,7 +371,7 @@ def defines_layout_moe(source: str) -> bool:
     ``ModuleList`` of per-expert MLPs next to an ``nn.Linear`` gate (or a router class).
 
     Example:
-        >>> src = "self.gate = nn.Linear(h, e)\nself.experts = nn.ModuleList([MLP() for _ in range(e)])"
+        >>> src = "self.gate = nn.Linear(h, e); self.experts = nn.ModuleList([])"
         >>> defines_layout_moe(src) == (not IS_V5)
         True
     """
