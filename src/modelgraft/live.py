@@ -74,15 +74,16 @@ class _Target:
 
 def graft_model(
     model: torch.nn.Module,
-    mapping: Mapping[str, type[torch.nn.Module]] | None = None,
+    mapping: Mapping[str, type[torch.nn.Module]] | Any | None = None,
     conversions: Mapping[str, Sequence[Any]] | None = None,
 ) -> torch.nn.Module:
     """Replace, in place, the modules of a built model whose classes the patches replace.
 
     Args:
         model: a built (usually loaded) model; a ``PreTrainedModel`` or any ``nn.Module``.
-        mapping: patch mapping to apply, as for ``register_patch_mapping``. ``None`` uses what is
-            registered (and any active ``patched(...)`` scope).
+        mapping: patch mapping to apply, as for ``register_patch_mapping``, or a ready-made graft
+            (``modelgraft.grafts.fused_qkv("llama")``: its mapping and conversions). ``None`` uses
+            what is registered (and any active ``patched(...)`` scope).
         conversions: ``{model_type_or_class_name: [WeightConverter, ...]}`` used on top of the
             registered conversions to carry weights into replacements with another layout.
 
@@ -94,6 +95,11 @@ def graft_model(
             original weight that nothing in the replacement takes (the model is unchanged).
         GraftError: a replacement could not be constructed (the model is unchanged).
     """
+    if mapping is not None and not isinstance(mapping, Mapping) and hasattr(mapping, "mapping"):
+        bundle = mapping  # a ready-made graft: its mapping plus its conversions
+        mapping = bundle.mapping
+        if conversions is None:
+            conversions = getattr(bundle, "conversions", None)
     with _scope(mapping, conversions) as snap:
         rep = _report_for(model)
         if not snap:

@@ -292,3 +292,11 @@ def test_unrecoverable_constructor_arguments_are_a_clear_error() -> None:
     ):
         graft_model(model, {"_Opaque": _OpaqueReplacement})
     assert type(model[0]) is _Opaque
+
+
+def test_a_ready_made_graft_can_be_passed_whole() -> None:
+    model = _model("llama")
+    before = _logits(model)
+    graft_model(model, fused_qkv("llama"))  # mapping and conversions from the bundle
+    assert "LlamaAttention" not in _classes(model)
+    torch.testing.assert_close(_logits(model), before, atol=1e-5, rtol=0)
