@@ -111,7 +111,7 @@ class VerifyReport:
 
 def verify(
     target: str | Path | PretrainedConfig,
-    mapping: Mapping[str, type[torch.nn.Module]] | None = None,
+    mapping: Mapping[str, type[torch.nn.Module]] | Any | None = None,
     conversions: Mapping[str, Sequence[Any]] | None = None,
     *,
     graft: Any = None,
@@ -126,7 +126,7 @@ def verify(
     Args:
         target: a model type (``"llama"``; a tiny config and checkpoint are made), a
             ``PretrainedConfig`` (a checkpoint is made from it), or a local checkpoint folder.
-        mapping: patch mapping of the graft, as for ``patched``.
+        mapping: patch mapping of the graft, as for ``patched`` (or a ready-made graft).
         conversions: ``{model_type_or_class_name: [WeightConverter, ...]}`` of the graft.
         graft: a ready-made graft (anything with ``.mapping`` and ``.conversions``) or a list of
             them, added to ``mapping``/``conversions``. With no mapping, conversions or graft, the
@@ -140,6 +140,9 @@ def verify(
     Returns:
         A :class:`VerifyReport`; ``report.passed`` is True when every check passed.
     """
+    if mapping is not None and not isinstance(mapping, Mapping) and hasattr(mapping, "mapping"):
+        graft = [mapping, *(() if graft is None else graft if isinstance(graft, list | tuple) else [graft])]
+        mapping = None  # a ready-made graft passed in the mapping's place
     mapping, conversions = _merge_grafts(mapping, conversions, graft)
     config, checkpoint = _resolve(target)
     cls = model_class or model_class_for(config)

@@ -168,3 +168,8 @@ def test_a_bf16_checkpoint_folder_round_trips_bit_for_bit(tmp_path: Path) -> Non
     result = verify(tmp_path / "bf16", graft=fused_qkv("llama"))
     assert result.passed, result.format_table()
     assert "bit-identical" in result["save_roundtrip"].detail
+
+
+def test_a_ready_made_graft_in_the_mapping_place() -> None:
+    result = verify("llama", fused_qkv("llama"))
+    assert result.passed, result.format_table()
