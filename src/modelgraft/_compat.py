@@ -51,6 +51,7 @@ __all__ = [
     "instance_recorders",
     "is_supported",
     "loading_internals",
+    "meta_device",
     "moe_router_candidates",
     "output_recorder_class",
     "rebind_class_tables",
@@ -361,6 +362,25 @@ def conversion_hooks() -> ModuleType:
     else:
         from modelgraft import _compat_v4_conversion as hooks
     return hooks
+
+
+def meta_device() -> AbstractContextManager[Any]:
+    """Build modules inside the block with their parameters on the ``meta`` device (no memory).
+
+    On 5.x this is ``torch.device("meta")`` (buffers on meta too). Some 4.57 modules read a
+    value while constructing (Apertus' xIELU activation calls ``.item()`` on a buffer in
+    ``__init__``), which a meta tensor cannot give; on 4.57 tensors are therefore created normally
+    and parameters moved to ``meta`` as they are registered, buffers staying on the CPU
+    (transformers' own ``init_empty_weights``, as its ``from_pretrained`` does).
+
+    Example:
+        >>> import torch
+        >>> with meta_device():
+        ...     layer = torch.nn.Linear(2, 2)
+        >>> layer.weight.device.type
+        'meta'
+    """
+    return _impl.meta_device()
 
 
 def defines_layout_moe(source: str) -> bool:

@@ -58,6 +58,8 @@ class _InstanceAwareRegistry(dict):
     """``_CAN_RECORD_REGISTRY`` whose ``get`` prefers the recorders of a running, tracked model."""
 
     def get(self, key: Any, default: Any = None) -> Any:
+        if torch.compiler.is_compiling():  # dynamo cannot trace ContextVar; class recorders then
+            return super().get(key, default)
         for model in reversed(_RUNNING.get()):
             own = model.__dict__.get(_ATTR)
             if own is not None and str(type(model)) == key:
@@ -107,10 +109,13 @@ def uninstall_recorder_lookup() -> None:
 
 
 def _push(model: nn.Module, args: Any) -> None:
-    _RUNNING.set((*_RUNNING.get(), model))
+    if not torch.compiler.is_compiling():
+        _RUNNING.set((*_RUNNING.get(), model))
 
 
 def _pop(model: nn.Module, args: Any, output: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
     running = _RUNNING.get()
     # Remove the innermost entry for this model; a forward that raised still comes through here.
     for i in range(len(running) - 1, -1, -1):
@@ -249,3 +254,12 @@ _ROUTER_SRC = re.compile(r"self\.(gate|router)\s*=\s*nn\.Linear\(|^class \w+(Rou
 def defines_layout_moe(source: str) -> bool:
     """See :func:`modelgraft._compat.defines_layout_moe`."""
     return bool(_EXPERT_LIST_SRC.search(source) and _ROUTER_SRC.search(source))
+
+
+def meta_device() -> AbstractContextManager[Any]:
+    """See :func:`modelgraft._compat.meta_device`."""
+    from transformers.integrations.accelerate import init_empty_weights
+
+    # Parameters only: with buffers included it enters `torch.device("meta")` as well, and a
+    # buffer read while constructing (xIELU's `.item()`) would fail again. Buffers are small.
+    return init_empty_weights(include_buffers=False)

@@ -158,3 +158,10 @@ def rebind_class_tables(module: Any, swapped: Mapping[type, type]) -> list:
 def defines_layout_moe(source: str) -> bool:
     """See :func:`modelgraft._compat.defines_layout_moe`: no such layout on 5.x."""
     return False
+
+
+def meta_device() -> AbstractContextManager[Any]:
+    """See :func:`modelgraft._compat.meta_device`."""
+    import torch
+
+    return torch.device("meta")

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from modelgraft import recorders, registry, swap
+from modelgraft import _compat, recorders, registry, swap
 from modelgraft.conversion import rules
 from modelgraft.conversion._plan import plan_groups, run_convert
 from modelgraft.errors import ConversionError, GraftError
@@ -183,7 +183,7 @@ def _targets_from_meta_rebuild(model: torch.nn.Module, snap: Snapshot) -> list[_
     # The overlay keeps the snapshot's keys in the snapshot's order, so each class resolves to
     # the same key as under the real patches; the recording subclasses only add bookkeeping.
     with registry.scoped(overlay) as rec_snap, swap.LOCK, swap.Swap(rec_snap, (type(model),)):
-        with torch.device("meta"):
+        with _compat.meta_device():
             shadow = type(model)(model.config)
     targets: list[_Target] = []
     skip: str | None = None

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 import torch
 
+from modelgraft import _compat
 from modelgraft.conversion._plan import Group, plan_groups, run_reverse
 from modelgraft.conversion.load import STATE_ATTR, ConversionState, Scope, resolve_scopes, scope_for
 from modelgraft.report import ConversionRecord, _report_for
@@ -40,7 +41,7 @@ def _construction_lock():
 
 def original_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
     """Keys and shapes of the original (unpatched) model class, built on the meta device."""
-    with _construction_lock(), torch.device("meta"):
+    with _construction_lock(), _compat.meta_device():
         original = type(model)(copy.deepcopy(model.config))
     return {k: v.shape for k, v in original.state_dict().items()}
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from modelgraft import _compat
 from modelgraft.errors import GraftConflictError, UnsupportedFamilyError
 
 if TYPE_CHECKING:
@@ -205,7 +206,7 @@ def meta_model(model_type: str) -> nn.Module:
             f"`{model_type}` has no base model class in transformers' `MODEL_MAPPING`; "
             "grafts support model types that `AutoModel` can build."
         ) from None
-    with _META_LOCK, torch.device("meta"):
+    with _META_LOCK, _compat.meta_device():
         return model_class(config)
 
 
