@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from modelgraft import _compat
 from modelgraft._target import TargetError, import_object, model_class_for, resolve_config
 from modelgraft.errors import GraftError
 
@@ -217,7 +218,7 @@ def inspect_architecture(target: str) -> dict[str, Any]:
     model_cls = model_class_for(config)
     # Meta tensors have shapes but no storage, so even a 70B config builds in a fraction of a second;
     # a plain constructor call (not from_config) keeps registered patches out of what we describe.
-    with torch.device("meta"):
+    with _compat.meta_device():
         model = model_cls(config)
     classes: dict[type, dict[str, Any]] = {}
     for path, module in model.named_modules():
