@@ -76,6 +76,7 @@ def skip_if_missing_model_type(model_type: str) -> None:
     if why is not None:
         pytest.skip(why)
 
+
 #: MoE families the installed transformers has (routing found at run time), and how many of them
 #: at least run record/replay at tiny size: 36 and 30 on 5.23; 25 and 17 on 4.57.6 (its Jamba needs
 #: CUDA Mamba kernels; DBRX, GraniteMoeHybrid, Qwen3-Omni cannot be built tiny; Phi-MoE selects
