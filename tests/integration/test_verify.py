@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
 import modelgraft
-from _versions import requires_fused_experts, requires_v5_because
+from _versions import requires_fused_experts
 from modelgraft import VerifyReport, verify
 from modelgraft.grafts import fused_qkv, linear_experts
 from modelgraft.testing import tiny_config
@@ -136,14 +136,8 @@ def test_unknown_target_is_a_clear_error() -> None:
 @pytest.mark.parametrize(
     ("model_type", "class_path", "model_class"),
     [
-        pytest.param(
-            "bert",
-            "transformers.models.bert.modeling_bert:BertSelfAttention",
-            "BertForMaskedLM",
-            marks=requires_v5_because(
-                "4.57 BERT picks its self-attention class from a dict bound at import, out of reach of load-time patching"
-            ),
-        ),
+        # (4.57 BERT picks its self-attention from BERT_SELF_ATTENTION_CLASSES; the swap follows it.)
+        ("bert", "transformers.models.bert.modeling_bert:BertSelfAttention", "BertForMaskedLM"),
         ("t5", "transformers.models.t5.modeling_t5:T5LayerFF", "T5ForConditionalGeneration"),
         ("llava", "transformers.models.llama.modeling_llama:LlamaAttention", "LlavaForConditionalGeneration"),
     ],
