@@ -294,3 +294,30 @@ def test_v4_has_no_builtin_conversion_so_registering_needs_no_overwrite() -> Non
         assert get_checkpoint_conversion_mapping("qwen2_moe") == [qkv]
     finally:
         unregister_checkpoint_conversion_mapping("qwen2_moe")
+
+
+def test_construction_step_is_installed_with_modelgraft_and_fully_removable() -> None:
+    from transformers import modeling_utils
+
+    from modelgraft import hooks
+
+    def marked(func: object) -> bool:
+        inner = getattr(func, "__func__", func)
+        return "__modelgraft_construction_step__" in vars(inner) or hasattr(inner, "__modelgraft_hook__")
+
+    before_v5 = modeling_utils.__dict__.get("apply_patches")
+    assert _compat.construction_step_installed()
+    hooks.uninstall()
+    try:
+        assert not _compat.construction_step_installed()
+        for name in ("get_init_context", "_from_config", "from_pretrained"):
+            assert not marked(PreTrainedModel.__dict__[name]), name
+        if IS_V5:
+            assert not marked(modeling_utils.apply_patches)
+            assert modeling_utils.apply_patches is not before_v5
+        model = LlamaModel(_llama_config())  # plain construction still works
+        assert type(model.layers[0].self_attn).__name__ == "LlamaAttention"
+    finally:
+        hooks.install()
+    assert _compat.construction_step_installed()
+    assert marked(PreTrainedModel.__dict__["_from_config"])
