@@ -321,3 +321,27 @@ def test_construction_step_is_installed_with_modelgraft_and_fully_removable() ->
         hooks.install()
     assert _compat.construction_step_installed()
     assert marked(PreTrainedModel.__dict__["_from_config"])
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_a_patched_attention_is_built_whatever_the_attention_implementation(attn_implementation: str) -> None:
+    from transformers import BertConfig, BertModel
+    from transformers.models.bert import modeling_bert
+
+    import modelgraft
+
+    class MySelfAttention(modeling_bert.BertSelfAttention):
+        pass
+
+    # 4.57 picks BERT's self-attention from BERT_SELF_ATTENTION_CLASSES (absent on 5.x).
+    tables = {k: v for k, v in vars(modeling_bert).items() if k.endswith("_CLASSES") and isinstance(v, dict)}
+    before = {k: dict(v) for k, v in tables.items()}
+    config = BertConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, vocab_size=32
+    )
+    with modelgraft.patched({"BertSelfAttention": MySelfAttention}):
+        model = BertModel._from_config(config, attn_implementation=attn_implementation)
+    assert all(type(layer.attention.self) is MySelfAttention for layer in model.encoder.layer)
+    assert {k: dict(v) for k, v in tables.items()} == before  # restored on exit
+    plain = BertModel._from_config(config, attn_implementation=attn_implementation)
+    assert type(plain.encoder.layer[0].attention.self) is not MySelfAttention
