@@ -70,7 +70,7 @@ NEEDS_V5 = {"api_reference.py", "complete_qwen2_moe.py", "pattern_matching.py"}
 _V5_REASON = "the documentation's example uses classes of transformers 5.x (`Qwen2MoeExperts`, ...)"
 
 #: examples owned and tested elsewhere, and helpers that are not examples
-NOT_HERE = {"_tiny.py", "demo.py", "seed_moe_replay.py", "vllm_to_trainer.py"}
+NOT_HERE = {"_tiny.py", "demo.py", "seed_moe_replay.py", "vllm_to_trainer.py"}  # demo.py: test_demo below
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +107,20 @@ def test_example_runs_and_prints_what_the_docs_say(name: str, example_env: dict[
         found = re.search(r"max \|logits difference\| = (\S+)$", done.stdout.rstrip())
         assert found is not None, done.stdout
         assert float(found.group(1)) <= 1e-5
+
+
+@requires_v5_because("the demo grafts the fused 3D experts of transformers 5.x")
+def test_demo_runs_the_complete_example_and_says_everything_matched(example_env: dict[str, str]) -> None:
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "demo.py")],
+        capture_output=True,
+        text=True,
+        env=example_env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert re.fullmatch(r"demo: everything matched \((\d+)/\1 checks\)", lines[-1]), lines[-1]
+    for step in ("logits", "hidden states", "saved files", "plain reload", "graft_model", "verify"):
+        assert any(line.startswith(f"  [ok] {step}:") for line in lines), step
+    assert "GraftReport for Qwen2MoeForCausalLM: 4 module(s) replaced" in done.stdout
