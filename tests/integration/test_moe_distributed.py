@@ -4,7 +4,7 @@ same gradients as one process computing both batches (issue 4, point 7)."""
 from __future__ import annotations
 
 import os
-import socket
+from datetime import timedelta
 
 import pytest
 import torch
@@ -47,8 +47,17 @@ def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, use_cache=False).logits.float().pow(2).mean()
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+def _worker(rank: int, store: str, out_dir: str) -> None:
+    # A FileStore has no server process: with a TCPStore hosted by rank 0, a rank 0 that exits first
+    # can leave rank 1 waiting in destroy_process_group until the store timeout (seen once in CI).
+    # The short timeout turns any lost peer into an error instead of a 30-minute wait.
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=300),
+    )
     try:
         torch.manual_seed(0)
         model = _model()
@@ -63,19 +72,14 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             _loss(ddp, ids).backward()
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         torch.save(grads, os.path.join(out_dir, f"grads{rank}.pt"))
+        dist.barrier()  # both ranks are done before either tears the group down
     finally:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.distributed
 def test_ddp_replay_matches_single_process(tmp_path) -> None:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
 
     model = _model()
     batches = [_batch(rank) for rank in range(WORLD)]
