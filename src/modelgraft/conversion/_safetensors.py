@@ -17,13 +17,60 @@ Example:
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-__all__ = ["SafetensorsFile"]
+__all__ = ["SafetensorsFile", "read_into_many"]
+
+# Reads of at least twice this size are split across threads (one slice per thread, page-aligned).
+_CHUNK_MIN = 1 << 20
+_MAX_THREADS = 4
+_pool_state: tuple[int, ThreadPoolExecutor] | None = None
+_pool_lock = threading.Lock()
+
+
+def _threads() -> int:
+    return max(1, min(_MAX_THREADS, os.cpu_count() or 1))
+
+
+def _pool() -> ThreadPoolExecutor:
+    """A reader pool for this process (a forked child makes its own: the parent's threads are gone)."""
+    global _pool_state
+    with _pool_lock:
+        if _pool_state is None or _pool_state[0] != os.getpid():
+            _pool_state = (os.getpid(), ThreadPoolExecutor(_threads(), thread_name_prefix="modelgraft-read"))
+        return _pool_state[1]
+
+
+def _chunks(nbytes: int) -> list[tuple[int, int]]:
+    n = min(_threads(), nbytes // _CHUNK_MIN) if hasattr(os, "preadv") else 1
+    if n <= 1:
+        return [(0, nbytes)]
+    step = (nbytes // n + 4095) & ~4095
+    return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)]
+
+
+def _read_range(fd: int, buffer: memoryview, offset: int, path: str, key: str) -> None:
+    """Read ``buffer.nbytes`` bytes at ``offset`` of ``fd`` straight into ``buffer`` (short reads retried)."""
+    fh = None if hasattr(os, "preadv") else io.FileIO(fd, closefd=False)
+    done = 0
+    while done < buffer.nbytes:
+        if fh is None:
+            n = os.preadv(fd, [buffer[done:]], offset + done)
+        else:  # no positional read here: seek, then one unbuffered read (never run in parallel)
+            fh.seek(offset + done)
+            n = fh.readinto(buffer[done:])
+        if not n:
+            raise OSError(f"unexpected end of `{path}` while reading `{key}`")
+        done += n
+
 
 _DTYPES = {
     "F64": torch.float64,
@@ -65,19 +112,7 @@ class SafetensorsFile:
 
     def read_into(self, key: str, out: torch.Tensor) -> None:
         """Fill the contiguous CPU tensor ``out`` (same dtype and number of elements) with ``key``."""
-        start, end = self._entries[key]["data_offsets"]
-        buffer = memoryview(out.view(-1).view(torch.uint8).numpy())
-        if buffer.nbytes != end - start:
-            raise ValueError(f"`{key}` holds {end - start} bytes; the destination holds {buffer.nbytes}.")
-        # Unbuffered readinto copies from the OS straight into `out`; it may return short counts.
-        with open(self.path, "rb", buffering=0) as fh:
-            done = 0
-            while done < buffer.nbytes:
-                fh.seek(self._data_start + start + done)
-                n = fh.readinto(buffer[done:])
-                if not n:
-                    raise OSError(f"unexpected end of `{self.path}` while reading `{key}`")
-                done += n
+        read_into_many([(self, key, out)])
 
     def read(self, key: str) -> torch.Tensor:
         """A new CPU tensor holding ``key``."""
@@ -91,3 +126,36 @@ class SafetensorsFile:
         if out.numel():
             self.read_into(key, out)
         return out
+
+
+def read_into_many(items: Sequence[tuple[SafetensorsFile, str, torch.Tensor]]) -> None:
+    """Fill each contiguous CPU tensor ``out`` of ``(file, key, out)`` with ``key`` of ``file``.
+
+    The copies out of the page cache (and the first touch of each destination's fresh pages) run
+    in the kernel with the GIL released, so large reads are split into page-aligned slices and,
+    with the small ones, read by a few threads at once.
+    """
+    jobs: list[tuple[str, memoryview, int, str]] = []
+    for f, key, out in items:
+        start, end = f._entries[key]["data_offsets"]
+        buffer = memoryview(out.view(-1).view(torch.uint8).numpy())
+        if buffer.nbytes != end - start:
+            raise ValueError(f"`{key}` holds {end - start} bytes; the destination holds {buffer.nbytes}.")
+        offset = f._data_start + start
+        jobs.extend((f.path, buffer[a:b], offset + a, key) for a, b in _chunks(buffer.nbytes))
+    fds: dict[str, int] = {}
+    try:
+        for path, *_ in jobs:
+            if path not in fds:
+                fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        if len(jobs) == 1 or not hasattr(os, "preadv") or _threads() == 1:
+            for path, buffer, offset, key in jobs:
+                _read_range(fds[path], buffer, offset, path, key)
+            return
+        futures = [_pool().submit(_read_range, fds[p], buf, off, p, k) for p, buf, off, k in jobs]
+        wait(futures)  # every read ends before its file is closed, even when one fails
+        for future in futures:
+            future.result()
+    finally:
+        for fd in fds.values():
+            os.close(fd)

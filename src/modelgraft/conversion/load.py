@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from modelgraft.conversion._plan import Group, plan_groups, run_convert
-from modelgraft.conversion._safetensors import SafetensorsFile
+from modelgraft.conversion._safetensors import SafetensorsFile, read_into_many
 from modelgraft.conversion.ops import Concatenate
 from modelgraft.conversion.rules import Conversions, has_any_conversions, lookup_conversions
 from modelgraft.report import ConversionRecord, _report_for
@@ -310,9 +310,11 @@ def _concat_rows_in_place(
         if any(s[1:] != ref.shape[1:] for s in shapes) or sum(s[0] for s in shapes) != ref.shape[0]:
             return None
         buffer = torch.empty(ref.shape, dtype=ref.dtype)
+        reads = []
         row = 0
         for (f, key), shape in zip(parts, shapes):
-            f.read_into(key, buffer[row : row + shape[0]])
+            reads.append((f, key, buffer[row : row + shape[0]]))
             row += shape[0]
+        read_into_many(reads)
         out.append(buffer)
     return [out]
