@@ -224,6 +224,40 @@ def find_modules(model_type: str, accept: Callable[[nn.Module], bool]) -> dict[t
     return found
 
 
+def fused_linears_part(
+    model_type: str,
+    names: tuple[str, ...],
+    fused_name: str,
+    make_class: Callable[[type[nn.Module]], type[nn.Module]],
+    describe: tuple[str, str, tuple[str, ...]],
+) -> _Part:
+    """The part of a "fuse these sibling linears" graft for ``model_type``.
+
+    Every module class with fusable ``names`` (see :func:`~modelgraft.grafts._fused.can_fuse_linears`)
+    is mapped to ``make_class(cls)``, and each attribute such modules sit under gets one
+    ``Concatenate(dim=0)`` converter from ``names`` to ``fused_name``. ``describe`` is
+    ``(module kind, graft name, families known to work)`` for the error when nothing fits.
+    """
+    from modelgraft.conversion import Concatenate, WeightConverter
+    from modelgraft.grafts._fused import can_fuse_linears
+
+    found = find_modules(model_type, lambda module: can_fuse_linears(module, names))
+    if not found:
+        kind, graft_name, families = describe
+        listed = ", ".join(f"`{n}`" for n in names[:-1]) + f" and `{names[-1]}`"
+        raise UnsupportedFamilyError(
+            f"No {kind} of `{model_type}` has plain {listed} linear layers; the {graft_name} graft "
+            f"cannot apply. Families known to work: {', '.join(families)}."
+        )
+    mapping = {cls.__name__: make_class(cls) for cls in found}
+    attributes = sorted(set().union(*found.values()))
+    converters = tuple(
+        WeightConverter([f"{a}.{n}" for n in names], [f"{a}.{fused_name}"], [Concatenate(dim=0)])
+        for a in attributes
+    )
+    return _Part(mapping, converters)
+
+
 # --- transformers' own conversions, in modelgraft terms ----------------------------------------
 
 _PLAIN_PATTERN = re.compile(r"^[A-Za-z0-9_*]+(\.[A-Za-z0-9_*]+)*$")

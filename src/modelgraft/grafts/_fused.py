@@ -35,7 +35,7 @@ from torch import nn
 
 from modelgraft.errors import FusionError
 
-__all__ = ["FusedSlice", "FusionError", "fuse_linears", "fused_subclass"]
+__all__ = ["FusedSlice", "FusionError", "can_fuse_linears", "fuse_linears", "fused_subclass"]
 
 
 @dataclass
@@ -147,6 +147,23 @@ class FusedSlice(nn.Module):
     def extra_repr(self) -> str:
         span = self._span()
         return f"{self._group.fused_name}[{span.start}:{span.stop}], in_features={self.in_features}"
+
+
+def can_fuse_linears(module: nn.Module, names: tuple[str, ...]) -> bool:
+    """Whether :func:`fuse_linears` accepts ``names`` of ``module``: plain ``nn.Linear`` children
+    reading inputs of one width, all with a bias or none.
+
+    Example:
+        >>> block = nn.Module()
+        >>> block.a, block.b, block.c = nn.Linear(4, 3), nn.Linear(4, 2), nn.Linear(4, 2, bias=False)
+        >>> can_fuse_linears(block, ("a", "b")), can_fuse_linears(block, ("a", "c"))
+        (True, False)
+    """
+    layers = [getattr(module, name, None) for name in names]
+    if not all(type(layer) is nn.Linear for layer in layers):
+        return False
+    with_bias = {layer.bias is not None for layer in layers}
+    return len({layer.in_features for layer in layers}) == 1 and len(with_bias) == 1
 
 
 def fuse_linears(module: nn.Module, names: tuple[str, ...], fused_name: str) -> nn.Linear:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from modelgraft.grafts._bundle import Graft, UnsupportedFamilyError, _Part, find_modules
+from modelgraft.grafts._bundle import Graft, _Part, fused_linears_part
 from modelgraft.grafts._fused import fused_subclass
 
 __all__ = ["FUSED_GATE_UP_FAMILIES", "GATE_UP_NAMES", "fused_gate_up", "fused_gate_up_class"]
@@ -58,36 +58,19 @@ FUSED_GATE_UP_FAMILIES: tuple[str, ...] = (
 )
 
 
-def is_fusable_mlp(module: nn.Module) -> bool:
-    """Whether ``module`` has plain ``gate_proj``/``up_proj`` layers reading one input."""
-    layers = [getattr(module, name, None) for name in GATE_UP_NAMES]
-    if not all(type(layer) is nn.Linear for layer in layers):
-        return False
-    with_bias = {layer.bias is not None for layer in layers}
-    return len({layer.in_features for layer in layers}) == 1 and len(with_bias) == 1
-
-
 def fused_gate_up_class(mlp_class: type[nn.Module]) -> type[nn.Module]:
     """Return the fused gate/up subclass of ``mlp_class`` (the same class on every call)."""
     return fused_subclass(mlp_class, GATE_UP_NAMES, FUSED_NAME, "FusedGateUp")
 
 
 def _part(model_type: str) -> _Part:
-    from modelgraft.conversion import Concatenate, WeightConverter
-
-    found = find_modules(model_type, is_fusable_mlp)
-    if not found:
-        raise UnsupportedFamilyError(
-            f"No MLP of `{model_type}` has plain `gate_proj` and `up_proj` linear layers; the fused "
-            f"gate/up graft cannot apply. Families known to work: {', '.join(FUSED_GATE_UP_FAMILIES)}."
-        )
-    mapping = {cls.__name__: fused_gate_up_class(cls) for cls in found}
-    attributes = sorted(set().union(*found.values()))
-    converters = tuple(
-        WeightConverter([f"{a}.{n}" for n in GATE_UP_NAMES], [f"{a}.{FUSED_NAME}"], [Concatenate(dim=0)])
-        for a in attributes
+    return fused_linears_part(
+        model_type,
+        GATE_UP_NAMES,
+        FUSED_NAME,
+        fused_gate_up_class,
+        ("MLP", "fused gate/up", FUSED_GATE_UP_FAMILIES),
     )
-    return _Part(mapping, converters)
 
 
 def fused_gate_up(*model_types: str) -> Graft:

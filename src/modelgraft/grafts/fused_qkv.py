@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from modelgraft.grafts._bundle import Graft, UnsupportedFamilyError, _Part, find_modules
+from modelgraft.grafts._bundle import Graft, _Part, fused_linears_part
 from modelgraft.grafts._fused import fused_subclass
 
 __all__ = ["FUSED_QKV_FAMILIES", "QKV_NAMES", "fused_qkv", "fused_qkv_class"]
@@ -73,36 +73,15 @@ FUSED_QKV_FAMILIES: tuple[str, ...] = (
 )
 
 
-def is_fusable_attention(module: nn.Module) -> bool:
-    """Whether ``module`` has plain ``q_proj``/``k_proj``/``v_proj`` layers reading one input."""
-    layers = [getattr(module, name, None) for name in QKV_NAMES]
-    if not all(type(layer) is nn.Linear for layer in layers):
-        return False
-    with_bias = {layer.bias is not None for layer in layers}
-    return len({layer.in_features for layer in layers}) == 1 and len(with_bias) == 1
-
-
 def fused_qkv_class(attention_class: type[nn.Module]) -> type[nn.Module]:
     """Return the fused-QKV subclass of ``attention_class`` (the same class on every call)."""
     return fused_subclass(attention_class, QKV_NAMES, FUSED_NAME, "FusedQKV")
 
 
 def _part(model_type: str) -> _Part:
-    from modelgraft.conversion import Concatenate, WeightConverter
-
-    found = find_modules(model_type, is_fusable_attention)
-    if not found:
-        raise UnsupportedFamilyError(
-            f"No attention of `{model_type}` has plain `q_proj`, `k_proj` and `v_proj` linear layers; "
-            f"the fused QKV graft cannot apply. Families known to work: {', '.join(FUSED_QKV_FAMILIES)}."
-        )
-    mapping = {cls.__name__: fused_qkv_class(cls) for cls in found}
-    attributes = sorted(set().union(*found.values()))
-    converters = tuple(
-        WeightConverter([f"{a}.{n}" for n in QKV_NAMES], [f"{a}.{FUSED_NAME}"], [Concatenate(dim=0)])
-        for a in attributes
+    return fused_linears_part(
+        model_type, QKV_NAMES, FUSED_NAME, fused_qkv_class, ("attention", "fused QKV", FUSED_QKV_FAMILIES)
     )
-    return _Part(mapping, converters)
 
 
 def fused_qkv(*model_types: str) -> Graft:
