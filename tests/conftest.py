@@ -1,4 +1,4 @@
-"""Shared fixtures: a clean patch registry around every test, and tiny local checkpoints."""
+"""Shared fixtures: clean patch and conversion registries around every test, and tiny local checkpoints."""
 
 from __future__ import annotations
 
@@ -11,14 +11,19 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 import modelgraft
 from families import family
+from modelgraft.conversion import rules
 
 
 @pytest.fixture(autouse=True)
 def _clean_registry() -> Iterator[None]:
-    """Every test starts and ends with an empty global patch registry."""
+    """Every test starts and ends with an empty global patch registry, and leaves the global
+    conversion registry as it found it."""
     modelgraft.clear_patch_mapping()
+    conversions_before = dict(rules._registry)
     yield
     modelgraft.clear_patch_mapping()
+    rules._registry.clear()
+    rules._registry.update(conversions_before)
 
 
 @pytest.fixture(scope="session")

@@ -23,19 +23,10 @@ from modelgraft import (
     register_patch_mapping,
     report,
 )
-from modelgraft.conversion import rules
 
 pytestmark = requires_v4
 
 X = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(3))
-
-
-@pytest.fixture(autouse=True)
-def _clean_conversions():
-    before = dict(rules._registry)
-    yield
-    rules._registry.clear()
-    rules._registry.update(before)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from modelgraft import (
     patched,
     report,
 )
-from modelgraft.conversion import rules
 
 FUSED = {"LlamaAttention": fused_qkv_class(_attention_class("llama"))}
 
@@ -29,14 +28,6 @@ class _ThreeEqualParts(FUSED["LlamaAttention"]):
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx)
         self.qkv_proj = torch.nn.Linear(config.hidden_size, 3 * config.num_attention_heads * self.head_dim)
-
-
-@pytest.fixture(autouse=True)
-def _clean_conversions():
-    before = dict(rules._registry)
-    yield
-    rules._registry.clear()
-    rules._registry.update(before)
 
 
 def test_missing_source_key_names_the_converter_and_the_key(tmp_path):

@@ -12,7 +12,6 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from modelgraft import Concatenate, WeightConverter, patched, report
-from modelgraft.conversion import rules
 
 #: One row per family: tiny config overrides and the attention class the fused QKV replaces.
 FAMILIES = {
@@ -21,14 +20,6 @@ FAMILIES = {
     "qwen2": ({"num_attention_heads": 4, "num_key_value_heads": 1}, "Qwen2Attention"),
 }
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "vocab_size": 128}
-
-
-@pytest.fixture(autouse=True)
-def _clean_conversions():
-    before = dict(rules._registry)
-    yield
-    rules._registry.clear()
-    rules._registry.update(before)
 
 
 def _config(family: str, **overrides):

@@ -24,15 +24,6 @@ from modelgraft import (
     patched,
     report,
 )
-from modelgraft.conversion import rules
-
-
-@pytest.fixture(autouse=True)
-def _clean_conversions():
-    before = dict(rules._registry)
-    yield
-    rules._registry.clear()
-    rules._registry.update(before)
 
 
 def _graft(family: str, extra_mapping=None, conversions=None):

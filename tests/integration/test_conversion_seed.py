@@ -20,15 +20,6 @@ from modelgraft import (
     report,
     unregister_checkpoint_conversion_mapping,
 )
-from modelgraft.conversion import rules
-
-
-@pytest.fixture(autouse=True)
-def _clean_conversions():
-    before = dict(rules._registry)
-    yield
-    rules._registry.clear()
-    rules._registry.update(before)
 
 
 @pytest.fixture(scope="module")
