@@ -266,3 +266,54 @@ def test_concurrent_loads_see_only_their_own_scoped_conversions(tmp_path):
         assert fused == bool(i % 2)
         assert len(report(model).conversions) == (4 if i % 2 else 0)
         torch.testing.assert_close(model.eval()(X).logits, plain(X).logits, atol=1e-5, rtol=0)
+
+
+def _file_backed(tensor: torch.Tensor) -> set[str]:
+    """The files whose pages back ``tensor`` (from /proc/self/maps)."""
+    start = tensor.data_ptr()
+    end = start + tensor.untyped_storage().nbytes()
+    files = set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo < end and hi > start and len(fields) == 6:
+            files.add(fields[5].removesuffix(" (deleted)"))
+    return files
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps (Linux)")
+@pytest.mark.parametrize("file_mapping", ["1", "0"])
+def test_fused_targets_are_lazy_private_file_views_and_survive_a_save_over_their_checkpoint(
+    tmp_path, monkeypatch, file_mapping
+):
+    """Like a plain load, a fused target reads nothing until used (file-backed, copy-on-write);
+    training it never writes the checkpoint, and saving over the checkpoint keeps the weights."""
+    monkeypatch.setenv("MODELGRAFT_FILE_MAPPING", file_mapping)
+    torch.manual_seed(0)
+    config = _config("llama", hidden_size=64, intermediate_size=256)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    ckpt_file = str(tmp_path / "model.safetensors")
+    original = _checkpoint_tensors(tmp_path)
+    raw_before = Path(ckpt_file).read_bytes()
+    mapping = {"LlamaAttention": fused_qkv_class(_attention_class("llama")), "LlamaMLP": FusedGateUpLlamaMLP}
+    with patched(mapping, conversions={"llama": [QKV, GATE_UP]}):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    layer = model.model.layers[1]
+    qkv, gate_up = layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight
+    expected = torch.cat([original[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv"])
+    assert torch.equal(qkv, expected)
+    assert torch.equal(
+        gate_up, torch.cat([original[f"model.layers.1.mlp.{n}_proj.weight"] for n in ("gate", "up")])
+    )
+    assert (ckpt_file in _file_backed(qkv) and ckpt_file in _file_backed(gate_up)) == (file_mapping == "1")
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert Path(ckpt_file).read_bytes() == raw_before
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    model.save_pretrained(tmp_path)  # over the checkpoint the weights came from
+    assert all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    split = reloaded.model.layers[1].self_attn
+    assert torch.equal(torch.cat([split.q_proj.weight, split.k_proj.weight, split.v_proj.weight]), qkv)

@@ -110,6 +110,11 @@ class SafetensorsFile:
         """The torch dtype of ``key``, or ``None`` for a dtype this reader does not know."""
         return _DTYPES.get(self._entries[key]["dtype"])
 
+    def byte_range(self, key: str) -> tuple[int, int]:
+        """``(offset in the file, number of bytes)`` of ``key``'s data."""
+        start, end = self._entries[key]["data_offsets"]
+        return self._data_start + start, end - start
+
     def read_into(self, key: str, out: torch.Tensor) -> None:
         """Fill the contiguous CPU tensor ``out`` (same dtype and number of elements) with ``key``."""
         read_into_many([(self, key, out)])

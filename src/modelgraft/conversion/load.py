@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from modelgraft.conversion._filemap import map_ranges
 from modelgraft.conversion._plan import Group, plan_groups, run_convert
 from modelgraft.conversion._safetensors import SafetensorsFile, read_into_many
 from modelgraft.conversion.ops import Concatenate
@@ -291,8 +292,10 @@ def _concat_rows_in_place(
     locate: Callable[[str], tuple[SafetensorsFile, str]],
     devices: Mapping[str, torch.device | str],
 ) -> list[list[torch.Tensor]] | None:
-    """Fast path of the common fusion (a single ``Concatenate(dim=0)``): read each source
-    straight into its rows of the target, so every byte is copied once. ``None`` when the group
+    """Fast path of the common fusion (a single ``Concatenate(dim=0)``): the target is the sources'
+    bytes one after another, so it is built from private mappings of the file where the layout
+    allows (as lazy as a plain load, see ``_filemap``), else each source is read straight into its
+    rows of the target, so every byte is copied once. ``None`` when the group
     does not qualify (other ops, dtype cast, non-CPU target, shapes that do not add up; the
     generic path then runs and reports any error)."""
     ops = group.converter.operations
@@ -309,6 +312,10 @@ def _concat_rows_in_place(
         shapes = [p[0].shape(p[1]) for p in parts]
         if any(s[1:] != ref.shape[1:] for s in shapes) or sum(s[0] for s in shapes) != ref.shape[0]:
             return None
+        mapped = map_ranges([(f.path, *f.byte_range(key)) for f, key in parts], ref.dtype, ref.shape)
+        if mapped is not None:
+            out.append(mapped)
+            continue
         buffer = torch.empty(ref.shape, dtype=ref.dtype)
         reads = []
         row = 0
