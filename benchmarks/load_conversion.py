@@ -213,7 +213,8 @@ def main() -> None:
             f"{mode:<12}{cell(mode, 'load_s')}{cell(mode, 'touch_s')}{cell(mode, 'peak_mib', 0)}{cell(mode, 'save_s')}"
         )
     print(f"fused layout loaded: { {m: rs[0]['fused'] for m, rs in results.items()} }")
-    same = {m: rs[0]["checksum"] for m, rs in results.items()}
+    # fp32 sums over differently fused parameters differ in the last digits; 3 decimals do not.
+    same = {m: round(rs[0]["checksum"], 3) for m, rs in results.items()}
     print(f"weight checksums (equal = same weights): {same}")
     mg, bi = med["modelgraft"], med["builtin"]
     checks = {
