@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from test_conversion_load import FAMILIES, X, _attention_class, _checkpoint_tensors, _config, _save_plain
 from transformers import AutoModelForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     apply_rotary_pos_emb,
@@ -21,6 +22,7 @@ from modelgraft import (
     ConversionOperation,
     IrreversibleConversionError,
     WeightConverter,
+    apply_patches,
     patched,
     report,
 )
@@ -103,6 +105,21 @@ def test_from_config_grafted_model_saves_the_original_layout(tmp_path):
     plain, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     torch.testing.assert_close(plain.eval()(X).logits, model.eval()(X).logits, atol=1e-5, rtol=0)
+
+
+def test_from_config_grafted_model_saved_inside_apply_patches_still_writes_the_original_layout(tmp_path):
+    """Inside an ``apply_patches()`` block the modeling globals are the replacements; the original
+    model built to learn the checkpoint's keys and shapes must still be the original one."""
+    with _graft("llama"), apply_patches():
+        model = AutoModelForCausalLM.from_config(_config("llama"))
+        model.save_pretrained(tmp_path)
+        assert modeling_llama.LlamaAttention is not LlamaAttention  # the replacement is still bound
+    written = load_file(tmp_path / "model.safetensors")
+    assert "model.layers.0.self_attn.qkv_proj.weight" not in written
+    fused = model.model.layers[0].self_attn.qkv_proj.weight.detach()
+    assert torch.equal(
+        torch.cat([written[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"]), fused
+    )
 
 
 class _NoReverse(ConversionOperation):

@@ -14,8 +14,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -27,21 +28,22 @@ from modelgraft.report import ConversionRecord, _report_for
 __all__ = ["original_shapes", "reverse_state_dict"]
 
 
-def _construction_lock():
-    """The core's construction lock, so that no other thread's class swap is live meanwhile."""
+@contextlib.contextmanager
+def _originals_bound() -> Iterator[None]:
+    """Hold the core's construction lock (no other thread's class swap goes live meanwhile) and
+    bind the original classes back, in case the save runs inside an ``apply_patches()`` block."""
     try:
         from modelgraft import swap
-
-        return swap.LOCK
     except ImportError:  # the core patching module is optional for this engine
-        import contextlib
-
-        return contextlib.nullcontext()
+        yield
+        return
+    with swap.LOCK, swap.suspended():
+        yield
 
 
 def original_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
     """Keys and shapes of the original (unpatched) model class, built on the meta device."""
-    with _construction_lock(), _compat.meta_device():
+    with _originals_bound(), _compat.meta_device():
         original = type(model)(copy.deepcopy(model.config))
     return {k: v.shape for k, v in original.state_dict().items()}
 
