@@ -88,9 +88,7 @@ def _device_for(device_map: dict | None):
         best = max(
             (p for p in device_map if p == "" or key == p or key.startswith(p + ".")), key=len, default=None
         )
-        dev = device_map.get(best, "cpu") if best is not None else "cpu"
-        # Disk-offloaded weights are read back to the CPU by transformers when used.
-        return "cpu" if dev == "disk" else dev
+        return device_map.get(best, "cpu") if best is not None else "cpu"
 
     return device_for
 
@@ -110,6 +108,15 @@ def _wrap_load_pretrained_model(original: Any) -> staticmethod:
     ):
         loading_info, offload_index = original(model, state_dict, checkpoint_files, load_config, *a, **kw)
         if has_any_conversions() and state_dict is None:
+            offloaded: dict = offload_index if offload_index is not None else {}
+
+            def offload(key: str, tensor: torch.Tensor) -> None:
+                # Converted weights have no range in the checkpoint to point at: written out, as
+                # transformers does for its own converted weights, and read back when used.
+                from transformers.integrations.accelerate import offload_weight
+
+                offload_weight(tensor, key, getattr(load_config, "disk_offload_folder", None), offloaded)
+
             _load.apply_load_conversions(
                 model,
                 checkpoint_files,
@@ -117,7 +124,10 @@ def _wrap_load_pretrained_model(original: Any) -> staticmethod:
                 loading_info.unexpected_keys,
                 _device_for(getattr(load_config, "device_map", None)),
                 _renamer(getattr(load_config, "weight_mapping", None) or []),
+                offload,
             )
+            if offloaded and offload_index is None:
+                offload_index = offloaded
         return loading_info, offload_index
 
     setattr(_load_pretrained_model, _MARK, original)

@@ -26,6 +26,7 @@ from modelgraft.conversion._plan import Group, plan_groups, run_convert
 from modelgraft.conversion._safetensors import SafetensorsFile, read_into_many
 from modelgraft.conversion.ops import Concatenate
 from modelgraft.conversion.rules import Conversions, has_any_conversions, lookup_conversions
+from modelgraft.errors import ConversionError
 from modelgraft.report import ConversionRecord, _report_for
 
 __all__ = ["ConversionState", "Scope", "apply_load_conversions", "remember_conversions", "resolve_scopes"]
@@ -181,12 +182,15 @@ def apply_load_conversions(
     unexpected_keys: set[str],
     device_for: Callable[[str], torch.device | str] = lambda _key: "cpu",
     rename: Callable[[str], str] | None = None,
+    offload: Callable[[str, torch.Tensor], None] | None = None,
 ) -> ConversionState | None:
     """Fill ``missing_keys`` of ``model`` that a registered converter can produce, in place.
 
     Converted targets are removed from ``missing_keys`` and consumed sources from
     ``unexpected_keys``. ``rename`` maps a checkpoint key through the loader's own renamings
     (legacy layouts such as ``language_model.model.*``) before the base-model prefix is adjusted.
+    A target whose ``device_for`` is ``"disk"`` is handed, converted, to ``offload(key, tensor)``
+    (the loader writes it to its offload folder) and its parameter stays on the meta device.
     Returns the state saved on the model, or ``None`` when no entry applies.
 
     Raises:
@@ -228,7 +232,7 @@ def apply_load_conversions(
         plan = plan_groups(scope.converters, owned_missing, src_shapes)
         for local_group in plan.groups:
             group = _globalise(local_group, scope)
-            _run_group(model, group, params, locate, device_for)
+            _run_group(model, group, params, locate, device_for, offload)
             state.groups.append(group)
             missing_keys.difference_update(group.flat_targets)
             for k in group.flat_sources:
@@ -263,12 +267,22 @@ def _run_group(
     params: Mapping[str, torch.Tensor],
     locate: Callable[[str], tuple[SafetensorsFile, str]],
     device_for: Callable[[str], torch.device | str],
+    offload: Callable[[str, torch.Tensor], None] | None,
 ) -> None:
     target_shapes = [[params[k].shape for k in keys] for keys in group.targets]
     devices = {
         k: params[k].device if params[k].device.type != "meta" else device_for(k) for k in group.flat_targets
     }
-    out = _concat_rows_in_place(group, params, locate, devices)
+    to_disk = {k for k, d in devices.items() if d == "disk"}
+    if to_disk and offload is None:
+        raise ConversionError(
+            f'`{sorted(to_disk)[0]}` is converted by {group.converter!r} and placed on "disk" by the device_map, '
+            "but this transformers version gives modelgraft no way to offload a converted weight. Keep the "
+            'converted modules on "cpu" or a GPU in the device_map, or use transformers 5.x.'
+        )
+    # A weight bound for the disk is built on the CPU, written to the offload folder, then dropped.
+    devices.update((k, "cpu") for k in to_disk)
+    out = _concat_rows_in_place(group, params, locate, devices) if not to_disk else None
     if out is None:
         tensors = [[_read(locate, k) for k in keys] for keys in group.sources]
         out = run_convert(group, tensors, target_shapes)
@@ -276,6 +290,10 @@ def _run_group(
     for keys, values in zip(group.targets, out):
         for key, value in zip(keys, values):
             value = value.to(device=devices[key], dtype=params[key].dtype).contiguous()
+            if key in to_disk:
+                assert offload is not None
+                offload(key, value)
+                continue
             if value._base is not None:  # a view into a shared buffer would look like a tied weight
                 value = value.clone()
             _set_tensor(model, key, value)
