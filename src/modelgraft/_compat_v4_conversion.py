@@ -31,8 +31,6 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from modelgraft.conversion import load as _load
 from modelgraft.conversion import save as _save
 from modelgraft.conversion.rules import has_any_conversions
@@ -66,20 +64,6 @@ def _modeling_utils() -> Any:
     from transformers import modeling_utils
 
     return modeling_utils
-
-
-def _device_for(device_map: dict | None) -> Any:
-    def device_for(key: str) -> torch.device | str:
-        if not device_map:
-            return "cpu"
-        best = max(
-            (p for p in device_map if p == "" or key == p or key.startswith(p + ".")), key=len, default=None
-        )
-        dev = device_map.get(best, "cpu") if best is not None else "cpu"
-        # "disk" is passed on: with no offload writer for 4.57, the load step refuses it clearly.
-        return torch.device(dev) if isinstance(dev, int) else dev
-
-    return device_for
 
 
 def _renamer(model: Any, key_mapping: dict[str, str] | None) -> Any:
@@ -128,7 +112,7 @@ def _wrap_find_missing(original: Any) -> Any:
             load.files,
             still_missing,
             left_unexpected,
-            _device_for(load.device_map),
+            _load.device_for_map(load.device_map),
             _renamer(model, load.key_mapping),
         )
         load.consumed |= set(unexpected) - left_unexpected

@@ -81,18 +81,6 @@ def _wrap_get_model_conversion_mapping(original: Any) -> Any:
     return get_model_conversion_mapping
 
 
-def _device_for(device_map: dict | None):
-    def device_for(key: str) -> torch.device | str:
-        if not device_map:
-            return "cpu"
-        best = max(
-            (p for p in device_map if p == "" or key == p or key.startswith(p + ".")), key=len, default=None
-        )
-        return device_map.get(best, "cpu") if best is not None else "cpu"
-
-    return device_for
-
-
 def _renamer(weight_mapping: list) -> Any:
     """The loader's own key renamings (not its converters), as one ``str -> str`` function."""
     renamings = [t for t in weight_mapping if isinstance(t, _tcore.WeightRenaming)]
@@ -122,7 +110,7 @@ def _wrap_load_pretrained_model(original: Any) -> staticmethod:
                 checkpoint_files,
                 loading_info.missing_keys,
                 loading_info.unexpected_keys,
-                _device_for(getattr(load_config, "device_map", None)),
+                _load.device_for_map(getattr(load_config, "device_map", None)),
                 _renamer(getattr(load_config, "weight_mapping", None) or []),
                 offload,
             )

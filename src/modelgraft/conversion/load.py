@@ -29,7 +29,14 @@ from modelgraft.conversion.rules import Conversions, has_any_conversions, lookup
 from modelgraft.errors import ConversionError
 from modelgraft.report import ConversionRecord, _report_for
 
-__all__ = ["ConversionState", "Scope", "apply_load_conversions", "remember_conversions", "resolve_scopes"]
+__all__ = [
+    "ConversionState",
+    "Scope",
+    "apply_load_conversions",
+    "device_for_map",
+    "remember_conversions",
+    "resolve_scopes",
+]
 
 STATE_ATTR = "_modelgraft_conversion_state"
 
@@ -159,6 +166,29 @@ def _key_translation(
         roots = set(model._modules)
         return {k: k if k.split(".", 1)[0] in roots else dotted + k for k in ckpt_keys}
     return {k: k for k in ckpt_keys}
+
+
+def device_for_map(device_map: Mapping[str, object] | None) -> Callable[[str], torch.device | str | int]:
+    """Where a parameter goes under a loader's ``device_map``: the value of its longest matching
+    prefix (``""`` matches everything), ``"cpu"`` without a map. Accelerator indices are kept as
+    they are (``tensor.to(0)`` means the first accelerator) and ``"disk"`` is passed on (the load
+    step offloads, or refuses where it cannot).
+
+    Example:
+        >>> where = device_for_map({"": "cpu", "model.layers.1": "disk", "lm_head": 0})
+        >>> where("model.layers.1.mlp.up_proj.weight"), where("model.norm.weight"), where("lm_head.weight")
+        ('disk', 'cpu', 0)
+    """
+
+    def device_for(key: str) -> torch.device | str | int:
+        if not device_map:
+            return "cpu"
+        best = max(
+            (p for p in device_map if p == "" or key == p or key.startswith(p + ".")), key=len, default=None
+        )
+        return device_map.get(best, "cpu") if best is not None else "cpu"  # type: ignore[return-value]
+
+    return device_for
 
 
 # ---- the load step ------------------------------------------------------------------------------
