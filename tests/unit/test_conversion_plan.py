@@ -134,15 +134,12 @@ def test_key_translation_adds_or_strips_the_base_model_prefix():
 
 
 def test_device_for_picks_the_longest_device_map_prefix():
-    from modelgraft import _compat
+    from modelgraft.conversion.load import device_for_map
 
-    if not _compat.IS_V5:
-        pytest.skip("the device lookup tested here is the transformers 5.x wiring")
-    from modelgraft.conversion._transformers_hooks import _device_for
-
-    find = _device_for({"": "cpu", "model.layers.1": 0, "lm_head": "disk"})
+    find = device_for_map({"": "cpu", "model.layers.1": 0, "lm_head": "disk"})
     assert find("model.layers.0.self_attn.qkv_proj.weight") == "cpu"
     assert find("model.layers.1.self_attn.qkv_proj.weight") == 0
-    assert find("model.layers.10.mlp.w") == "cpu"
-    assert find("lm_head.weight") == "cpu"
-    assert _device_for(None)("x") == "cpu"
+    assert find("model.layers.10.mlp.w") == "cpu"  # a prefix matches whole dotted names only
+    assert find("lm_head.weight") == "disk"  # passed on: the load step offloads it
+    assert device_for_map(None)("x") == "cpu"
+    assert device_for_map({"model": "cpu"})("lm_head.weight") == "cpu"  # no prefix matches
