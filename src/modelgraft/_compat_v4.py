@@ -24,7 +24,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -35,13 +34,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from modelgraft._wrapping import Wrappers
+
 RECORD_REGISTRY_MODULE = "transformers.utils.generic"
 _ATTR = "_can_record_outputs"
 _HOOKS_ATTR = "_modelgraft_recorder_hooks"
-_STEP_MARK = "__modelgraft_construction_step__"
 _ROUTER_NAMES = ("gate", "router")
 _ROUTER_CLASS = re.compile(r"(Router|Gate|Gating)$")
 _LOCK = threading.RLock()
+_step_wrappers = Wrappers()
 
 # Bound models whose forward is running, innermost last (per thread and per asyncio task).
 _RUNNING: ContextVar[tuple[nn.Module, ...]] = ContextVar("modelgraft_running_models", default=())
@@ -142,7 +143,7 @@ def _base() -> Any:
 
 def construction_step_installed() -> bool:
     """See :func:`modelgraft._compat.construction_step_installed`."""
-    return _STEP_MARK in _base().__dict__["get_init_context"].__func__.__dict__
+    return _step_wrappers.installed
 
 
 def install_construction_step(step: Callable[[], AbstractContextManager[Any]]) -> None:
@@ -153,26 +154,24 @@ def install_construction_step(step: Callable[[], AbstractContextManager[Any]]) -
     dtype and calls ``cls(config)``, so ``step()`` wraps all of it: install this *before*
     wrapping ``_from_config`` yourself, so that it runs inside your wrapper.
     """
-    base = _base()
-    with _LOCK:
-        if construction_step_installed():
-            return
-        originals = {
-            "get_init_context": base.__dict__["get_init_context"].__func__,
-            "_from_config": base.__dict__["_from_config"].__func__,
-        }
 
+    def wrap_init_context(original: Callable[..., list]) -> Callable[..., list]:
         def get_init_context(cls: type, *args: Any, **kwargs: Any) -> list:
-            return [*originals["get_init_context"](cls, *args, **kwargs), step()]
+            return [*original(cls, *args, **kwargs), step()]
 
+        return get_init_context
+
+    def wrap_from_config(original: Callable[..., Any]) -> Callable[..., Any]:
         def _from_config(cls: type, *args: Any, **kwargs: Any) -> Any:
             with step():
-                return originals["_from_config"](cls, *args, **kwargs)
+                return original(cls, *args, **kwargs)
 
-        for name, wrapper in (("get_init_context", get_init_context), ("_from_config", _from_config)):
-            functools.update_wrapper(wrapper, originals[name])
-            wrapper.__dict__[_STEP_MARK] = originals[name]
-            setattr(base, name, classmethod(wrapper))
+        return _from_config
+
+    base = _base()
+    _step_wrappers.install(
+        [(base, "get_init_context", wrap_init_context), (base, "_from_config", wrap_from_config)]
+    )
 
 
 def uninstall_construction_step() -> None:
@@ -181,12 +180,7 @@ def uninstall_construction_step() -> None:
     Restores each method only where it is still this module's wrapper (undo your own wrapper of
     ``_from_config`` first).
     """
-    base = _base()
-    with _LOCK:
-        for name in ("get_init_context", "_from_config"):
-            original = base.__dict__[name].__func__.__dict__.get(_STEP_MARK)
-            if original is not None:
-                setattr(base, name, classmethod(original))
+    _step_wrappers.uninstall()
 
 
 def initialize_missing_keys(model: nn.Module, missing: set[str]) -> None:

@@ -24,22 +24,19 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import re
-import threading
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+from modelgraft._wrapping import Wrappers
 from modelgraft.conversion import load as _load
 from modelgraft.conversion import save as _save
 from modelgraft.conversion.rules import has_any_conversions
 
 __all__ = ["builtin_conversion_exists", "install", "installed", "uninstall"]
 
-_MARK = "__modelgraft_conversion_hook__"
-_lock = threading.Lock()
-_originals: dict[str, Any] = {}
+_wrappers = Wrappers()
 
 
 @dataclass
@@ -81,8 +78,7 @@ def _renamer(model: Any, key_mapping: dict[str, str] | None) -> Any:
     return rename
 
 
-def _wrap_load_pretrained_model(original: Any) -> classmethod:
-    @functools.wraps(original)
+def _wrap_load_pretrained_model(original: Any) -> Any:
     def _load_pretrained_model(
         cls: type, model: Any, state_dict: Any, checkpoint_files: Any, *args: Any, **kwargs: Any
     ) -> Any:
@@ -95,12 +91,10 @@ def _wrap_load_pretrained_model(original: Any) -> classmethod:
         finally:
             _current.reset(token)
 
-    setattr(_load_pretrained_model, _MARK, original)
-    return classmethod(_load_pretrained_model)
+    return _load_pretrained_model
 
 
 def _wrap_find_missing(original: Any) -> Any:
-    @functools.wraps(original)
     def _find_missing_and_unexpected_keys(model: Any, *args: Any, **kwargs: Any) -> Any:
         missing, unexpected = original(model, *args, **kwargs)
         load = _current.get()
@@ -120,12 +114,10 @@ def _wrap_find_missing(original: Any) -> Any:
         # to load them into parameters that do not exist; they are dropped from the final report.
         return [k for k in missing if k in still_missing], unexpected
 
-    setattr(_find_missing_and_unexpected_keys, _MARK, original)
     return _find_missing_and_unexpected_keys
 
 
 def _wrap_adjust(original: Any) -> Any:
-    @functools.wraps(original)
     def _adjust_missing_and_unexpected_keys(self: Any, *args: Any, **kwargs: Any) -> Any:
         missing, unexpected = original(self, *args, **kwargs)
         load = _current.get()
@@ -133,12 +125,10 @@ def _wrap_adjust(original: Any) -> Any:
             unexpected = [k for k in unexpected if k not in load.consumed]
         return missing, unexpected
 
-    setattr(_adjust_missing_and_unexpected_keys, _MARK, original)
     return _adjust_missing_and_unexpected_keys
 
 
 def _wrap_post_init(original: Any) -> Any:
-    @functools.wraps(original)
     def post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         if has_any_conversions():
@@ -147,12 +137,10 @@ def _wrap_post_init(original: Any) -> Any:
                 object.__setattr__(self, _load.STATE_ATTR, _load.ConversionState(scopes=scopes))
         return result
 
-    setattr(post_init, _MARK, original)
     return post_init
 
 
 def _wrap_save_pretrained(original: Any) -> Any:
-    @functools.wraps(original)
     def save_pretrained(
         self: Any, save_directory: Any, *args: Any, save_original_format: bool = True, **kwargs: Any
     ) -> Any:
@@ -170,45 +158,29 @@ def _wrap_save_pretrained(original: Any) -> Any:
                 kwargs["state_dict"] = out
         return original(self, save_directory, *args, **kwargs)
 
-    setattr(save_pretrained, _MARK, original)
     return save_pretrained
 
 
 def installed() -> bool:
     """Whether the conversion wrappers are in place."""
-    return hasattr(_modeling_utils()._find_missing_and_unexpected_keys, _MARK)
+    return _wrappers.installed
 
 
 def install() -> None:
     """Install the load/save wrappers (idempotent)."""
-    with _lock:
-        if installed():
-            return
-        mu = _modeling_utils()
-        base = mu.PreTrainedModel
-        _originals["_find_missing_and_unexpected_keys"] = mu._find_missing_and_unexpected_keys
-        _originals["_load_pretrained_model"] = base.__dict__["_load_pretrained_model"].__func__
-        for name in ("_adjust_missing_and_unexpected_keys", "post_init", "save_pretrained"):
-            _originals[name] = base.__dict__[name]
-        mu._find_missing_and_unexpected_keys = _wrap_find_missing(
-            _originals["_find_missing_and_unexpected_keys"]
-        )
-        base._load_pretrained_model = _wrap_load_pretrained_model(_originals["_load_pretrained_model"])
-        base._adjust_missing_and_unexpected_keys = _wrap_adjust(
-            _originals["_adjust_missing_and_unexpected_keys"]
-        )
-        base.post_init = _wrap_post_init(_originals["post_init"])
-        base.save_pretrained = _wrap_save_pretrained(_originals["save_pretrained"])
+    mu = _modeling_utils()
+    base = mu.PreTrainedModel
+    _wrappers.install(
+        [
+            (mu, "_find_missing_and_unexpected_keys", _wrap_find_missing),
+            (base, "_load_pretrained_model", _wrap_load_pretrained_model),
+            (base, "_adjust_missing_and_unexpected_keys", _wrap_adjust),
+            (base, "post_init", _wrap_post_init),
+            (base, "save_pretrained", _wrap_save_pretrained),
+        ]
+    )
 
 
 def uninstall() -> None:
     """Remove the load/save wrappers (idempotent)."""
-    with _lock:
-        if not installed():
-            return
-        mu = _modeling_utils()
-        base = mu.PreTrainedModel
-        mu._find_missing_and_unexpected_keys = _originals.pop("_find_missing_and_unexpected_keys")
-        base._load_pretrained_model = classmethod(_originals.pop("_load_pretrained_model"))
-        for name in ("_adjust_missing_and_unexpected_keys", "post_init", "save_pretrained"):
-            setattr(base, name, _originals.pop(name))
+    _wrappers.uninstall()

@@ -16,19 +16,18 @@ Example:
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from torch import nn
 
+from modelgraft._wrapping import Wrappers
+
 RECORD_REGISTRY_MODULE = "transformers.utils.output_capturing"
 _ATTR = "_can_record_outputs"
-# Shared with modelgraft.recorders, which installed the same lookup before this module existed.
-_MARK = "__modelgraft_instance_lookup__"
-_STEP_MARK = "__modelgraft_construction_step__"
-_LOCK = threading.RLock()
+_lookup_wrappers = Wrappers()
+_step_wrappers = Wrappers()
 
 
 def output_recorder_class() -> type:
@@ -46,7 +45,15 @@ def _registry() -> Any:
 
 def recorder_lookup_installed() -> bool:
     """See :func:`modelgraft._compat.recorder_lookup_installed`."""
-    return getattr(_registry().__dict__.get("get"), _MARK, False)
+    return _lookup_wrappers.installed
+
+
+def _wrap_registry_get(class_get: Callable[..., dict]) -> Callable[..., dict]:
+    def get(model: Any, *args: Any) -> dict:
+        own = getattr(model, "__dict__", {}).get(_ATTR) if not args else None
+        return own if own is not None else class_get(model, *args)
+
+    return get
 
 
 def install_recorder_lookup() -> None:
@@ -55,26 +62,12 @@ def install_recorder_lookup() -> None:
     The registry is a ``dict`` subclass whose ``get(model)`` receives the instance; shadowing the
     bound ``get`` on that one object (an instance attribute) changes no class and is easy to undo.
     """
-    reg = _registry()
-    with _LOCK:
-        if reg.__dict__.get("get") is not None:
-            return
-        class_get = type(reg).get
-
-        def get(model: Any, *args: Any) -> dict:
-            own = getattr(model, "__dict__", {}).get(_ATTR) if not args else None
-            return own if own is not None else class_get(reg, model, *args)
-
-        setattr(get, _MARK, True)
-        reg.get = get
+    _lookup_wrappers.install([(_registry(), "get", _wrap_registry_get)])
 
 
 def uninstall_recorder_lookup() -> None:
     """See :func:`modelgraft._compat.uninstall_recorder_lookup`."""
-    reg = _registry()
-    with _LOCK:
-        if getattr(reg.__dict__.get("get"), _MARK, False):
-            del reg.get
+    _lookup_wrappers.uninstall()
 
 
 def track_instance_recorders(model: nn.Module) -> None:
@@ -89,7 +82,7 @@ def _modeling_utils() -> Any:
 
 def construction_step_installed() -> bool:
     """See :func:`modelgraft._compat.construction_step_installed`."""
-    return getattr(_modeling_utils().apply_patches, _STEP_MARK, False)
+    return _step_wrappers.installed
 
 
 def install_construction_step(step: Callable[[], AbstractContextManager[Any]]) -> None:
@@ -99,28 +92,21 @@ def install_construction_step(step: Callable[[], AbstractContextManager[Any]]) -
     ``apply_patches()`` of ``transformers.modeling_utils`` right around ``cls(config)``; replacing
     that global puts ``step()`` exactly there, with transformers' own context still entered inside.
     """
-    module = _modeling_utils()
-    with _LOCK:
-        if construction_step_installed():
-            return
-        builtin = module.apply_patches
 
+    def wrap(builtin: Callable[..., AbstractContextManager[Any]]) -> Callable[..., Any]:
         @contextmanager
         def construction_site(*args: Any, **kwargs: Any) -> Iterator[None]:
             with step(), builtin(*args, **kwargs):
                 yield
 
-        setattr(construction_site, _STEP_MARK, True)
-        construction_site._modelgraft_builtin = builtin  # type: ignore[attr-defined]
-        module.apply_patches = construction_site
+        return construction_site
+
+    _step_wrappers.install([(_modeling_utils(), "apply_patches", wrap)])
 
 
 def uninstall_construction_step() -> None:
     """See :func:`modelgraft._compat.uninstall_construction_step`."""
-    module = _modeling_utils()
-    with _LOCK:
-        if construction_step_installed():
-            module.apply_patches = module.apply_patches._modelgraft_builtin
+    _step_wrappers.uninstall()
 
 
 def initialize_missing_keys(model: nn.Module, missing: set[str]) -> None:

@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -33,12 +32,11 @@ from typing import Any
 import torch
 
 from modelgraft import _compat, recorders, registry, swap
+from modelgraft._wrapping import Wrappers
 from modelgraft.registry import Snapshot
 from modelgraft.report import _report_for, check_strict, diagnose_load, strict_requested
 
 __all__ = ["apply_patches", "install", "installed", "patched", "uninstall"]
-
-_MARK = "__modelgraft_hook__"
 
 
 class _Load:
@@ -54,7 +52,7 @@ class _Load:
 
 _active_load: ContextVar[_Load | None] = ContextVar("modelgraft_active_load", default=None)
 _strict: ContextVar[bool] = ContextVar("modelgraft_strict", default=False)
-_originals: dict[str, Any] = {}
+_wrappers = Wrappers()
 
 
 # ---- public context managers --------------------------------------------------------------------
@@ -162,34 +160,28 @@ def _after_load(model: torch.nn.Module, load: _Load, info: dict | None) -> None:
     diagnose_load(model, rep, info, load.scoped_keys)
 
 
-def _wrap_from_pretrained(original: Callable[..., Any]) -> classmethod:
-    @functools.wraps(original)
+def _wrap_from_pretrained(original: Callable[..., Any]) -> Callable[..., Any]:
     def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
         wants_info = bool(kwargs.pop("output_loading_info", False))
         return _run_load(
             cls, lambda info: original(cls, *args, output_loading_info=info, **kwargs), wants_info
         )
 
-    setattr(from_pretrained, _MARK, original)
-    return classmethod(from_pretrained)
+    return from_pretrained
 
 
-def _wrap_from_config(original: Callable[..., Any]) -> classmethod:
-    @functools.wraps(original)
+def _wrap_from_config(original: Callable[..., Any]) -> Callable[..., Any]:
     def _from_config(cls: type, config: Any, **kwargs: Any) -> Any:
         return _run_load(cls, lambda _info: original(cls, config, **kwargs), False)
 
-    setattr(_from_config, _MARK, original)
-    return classmethod(_from_config)
+    return _from_config
 
 
 def _wrap_initialize_weights(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
     def initialize_weights(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         with swap.suspended():
             return original(self, *args, **kwargs)
 
-    setattr(initialize_weights, _MARK, original)
     return initialize_weights
 
 
@@ -213,7 +205,7 @@ def _base() -> type:
 
 def installed() -> bool:
     """Whether the load hooks are in place."""
-    return hasattr(_base().__dict__["from_pretrained"].__func__, _MARK)
+    return _wrappers.installed
 
 
 def install() -> None:
@@ -222,13 +214,10 @@ def install() -> None:
     if not installed():
         # Before wrapping _from_config: on transformers 4.57 the step wraps it underneath.
         _compat.install_construction_step(_construction_step)
-        _originals["from_pretrained"] = base.__dict__["from_pretrained"].__func__
-        _originals["_from_config"] = base.__dict__["_from_config"].__func__
-        base.from_pretrained = _wrap_from_pretrained(_originals["from_pretrained"])
-        base._from_config = _wrap_from_config(_originals["_from_config"])
+        steps = [(base, "from_pretrained", _wrap_from_pretrained), (base, "_from_config", _wrap_from_config)]
         if "initialize_weights" in base.__dict__:
-            _originals["initialize_weights"] = base.__dict__["initialize_weights"]
-            base.initialize_weights = _wrap_initialize_weights(_originals["initialize_weights"])
+            steps.append((base, "initialize_weights", _wrap_initialize_weights))
+        _wrappers.install(steps)
     recorders.install_instance_lookup()
     conversion = _conversion_package()
     if conversion is not None:
@@ -237,12 +226,8 @@ def install() -> None:
 
 def uninstall() -> None:
     """Remove everything :func:`install` added (idempotent)."""
-    base = _base()
     if installed():
-        base.from_pretrained = classmethod(_originals.pop("from_pretrained"))
-        base._from_config = classmethod(_originals.pop("_from_config"))
-        if "initialize_weights" in _originals:
-            base.initialize_weights = _originals.pop("initialize_weights")
+        _wrappers.uninstall()
         _compat.uninstall_construction_step()
     recorders.uninstall_instance_lookup()
     conversion = _conversion_package()

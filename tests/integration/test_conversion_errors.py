@@ -85,6 +85,7 @@ def test_target_no_converter_produced_is_reported_and_strict_raises(tmp_path):
 
 def test_conversion_hooks_can_be_removed_and_reinstalled(tmp_path):
     from modelgraft import _compat, conversion
+    from modelgraft._wrapping import is_wrapped
 
     hooks = _compat.conversion_hooks()  # the wiring for the installed transformers (4.57 or 5.x)
     _save_plain("llama", tmp_path)
@@ -95,7 +96,7 @@ def test_conversion_hooks_can_be_removed_and_reinstalled(tmp_path):
         wrapped = [modeling_utils.PreTrainedModel.__dict__["post_init"]]
         if _compat.HAS_BUILTIN_CONVERSION:
             wrapped.append(modeling_utils.get_model_conversion_mapping)
-        assert not any(hasattr(f, "__modelgraft_conversion_hook__") for f in wrapped)
+        assert not any(is_wrapped(f) for f in wrapped)
         with patched(FUSED, conversions={"llama": [QKV]}):
             model = AutoModelForCausalLM.from_pretrained(tmp_path)
         assert not report(model).conversions  # nothing converted without the hooks

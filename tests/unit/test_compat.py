@@ -300,10 +300,7 @@ def test_construction_step_is_installed_with_modelgraft_and_fully_removable() ->
     from transformers import modeling_utils
 
     from modelgraft import hooks
-
-    def marked(func: object) -> bool:
-        inner = getattr(func, "__func__", func)
-        return "__modelgraft_construction_step__" in vars(inner) or hasattr(inner, "__modelgraft_hook__")
+    from modelgraft._wrapping import is_wrapped as marked
 
     before_v5 = modeling_utils.__dict__.get("apply_patches")
     assert _compat.construction_step_installed()

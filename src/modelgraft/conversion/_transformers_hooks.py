@@ -21,8 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
-import threading
 from typing import Any
 
 import torch
@@ -30,15 +28,14 @@ from transformers import conversion_mapping as _tcm
 from transformers import core_model_loading as _tcore
 from transformers import modeling_utils as _mu
 
+from modelgraft._wrapping import Wrappers
 from modelgraft.conversion import load as _load
 from modelgraft.conversion import save as _save
 from modelgraft.conversion.rules import has_any_conversions
 
 __all__ = ["builtin_conversion_exists", "install", "installed", "uninstall"]
 
-_MARK = "__modelgraft_conversion_hook__"
-_lock = threading.Lock()
-_originals: dict[str, Any] = {}
+_wrappers = Wrappers()
 
 
 def builtin_conversion_exists(key: str) -> bool:
@@ -70,14 +67,12 @@ def _filter_builtins(model: Any, transforms: list) -> list:
 
 
 def _wrap_get_model_conversion_mapping(original: Any) -> Any:
-    @functools.wraps(original)
     def get_model_conversion_mapping(model: Any, *args: Any, **kwargs: Any) -> list:
         transforms = original(model, *args, **kwargs)
         if not has_any_conversions():
             return transforms
         return _filter_builtins(model, transforms)
 
-    setattr(get_model_conversion_mapping, _MARK, original)
     return get_model_conversion_mapping
 
 
@@ -89,8 +84,7 @@ def _renamer(weight_mapping: list) -> Any:
     return lambda key: _tcore.apply_renamings(key, renamings)
 
 
-def _wrap_load_pretrained_model(original: Any) -> staticmethod:
-    @functools.wraps(original)
+def _wrap_load_pretrained_model(original: Any) -> Any:
     def _load_pretrained_model(
         model: Any, state_dict: Any, checkpoint_files: Any, load_config: Any, *a, **kw
     ):
@@ -118,24 +112,20 @@ def _wrap_load_pretrained_model(original: Any) -> staticmethod:
                 offload_index = offloaded
         return loading_info, offload_index
 
-    setattr(_load_pretrained_model, _MARK, original)
-    return staticmethod(_load_pretrained_model)
+    return _load_pretrained_model
 
 
 def _wrap_post_init(original: Any) -> Any:
-    @functools.wraps(original)
     def post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         if has_any_conversions():
             _load.remember_conversions(self)
         return result
 
-    setattr(post_init, _MARK, original)
     return post_init
 
 
 def _wrap_revert(original: Any) -> Any:
-    @functools.wraps(original)
     def revert_weight_conversion(model: Any, state_dict: dict) -> dict:
         reversed_ = _save.reverse_state_dict(model, state_dict)
         if reversed_ is None:
@@ -151,40 +141,27 @@ def _wrap_revert(original: Any) -> Any:
             return rest
         return original(model, rest)
 
-    setattr(revert_weight_conversion, _MARK, original)
     return revert_weight_conversion
 
 
 def installed() -> bool:
     """Whether the conversion wrappers are in place."""
-    return hasattr(_mu.get_model_conversion_mapping, _MARK)
+    return _wrappers.installed
 
 
 def install() -> None:
     """Install the load/save wrappers (idempotent)."""
-    with _lock:
-        if installed():
-            return
-        base = _mu.PreTrainedModel
-        _originals["get_model_conversion_mapping"] = _mu.get_model_conversion_mapping
-        _originals["revert_weight_conversion"] = _mu.revert_weight_conversion
-        _originals["_load_pretrained_model"] = base.__dict__["_load_pretrained_model"].__func__
-        _originals["post_init"] = base.__dict__["post_init"]
-        _mu.get_model_conversion_mapping = _wrap_get_model_conversion_mapping(
-            _originals["get_model_conversion_mapping"]
-        )
-        _mu.revert_weight_conversion = _wrap_revert(_originals["revert_weight_conversion"])
-        base._load_pretrained_model = _wrap_load_pretrained_model(_originals["_load_pretrained_model"])
-        base.post_init = _wrap_post_init(_originals["post_init"])
+    base = _mu.PreTrainedModel
+    _wrappers.install(
+        [
+            (_mu, "get_model_conversion_mapping", _wrap_get_model_conversion_mapping),
+            (_mu, "revert_weight_conversion", _wrap_revert),
+            (base, "_load_pretrained_model", _wrap_load_pretrained_model),
+            (base, "post_init", _wrap_post_init),
+        ]
+    )
 
 
 def uninstall() -> None:
     """Remove the load/save wrappers (idempotent)."""
-    with _lock:
-        if not installed():
-            return
-        base = _mu.PreTrainedModel
-        _mu.get_model_conversion_mapping = _originals.pop("get_model_conversion_mapping")
-        _mu.revert_weight_conversion = _originals.pop("revert_weight_conversion")
-        base._load_pretrained_model = staticmethod(_originals.pop("_load_pretrained_model"))
-        base.post_init = _originals.pop("post_init")
+    _wrappers.uninstall()
