@@ -33,7 +33,7 @@ from modelgraft.errors import (
     StrictModeError,
     UnsupportedTransformersError,
 )
-from modelgraft.hooks import apply_patches, patched
+from modelgraft.hooks import apply_patches, patched, unpatched
 from modelgraft.live import graft_model
 from modelgraft.recorders import patch_output_recorders
 from modelgraft.registry import (
@@ -81,6 +81,7 @@ __all__ = [
     "register_checkpoint_conversion_mapping",
     "register_patch_mapping",
     "report",
+    "unpatched",
     "unregister_checkpoint_conversion_mapping",
     "unregister_patch_mapping",
     "verify",

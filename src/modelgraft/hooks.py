@@ -36,7 +36,7 @@ from modelgraft._wrapping import Wrappers
 from modelgraft.registry import Snapshot
 from modelgraft.report import _report_for, check_strict, diagnose_load, strict_requested
 
-__all__ = ["apply_patches", "install", "installed", "patched", "uninstall"]
+__all__ = ["apply_patches", "install", "installed", "patched", "uninstall", "unpatched"]
 
 
 class _Load:
@@ -112,6 +112,32 @@ def patched(
     try:
         with registry.scoped(mapping) as snap, scoped_conversions:
             yield snap
+    finally:
+        _strict.reset(token)
+
+
+@contextmanager
+def unpatched() -> Iterator[None]:
+    """Load plain transformers models inside the block, whatever is registered or scoped outside it.
+
+    Global registrations and enclosing ``patched(...)`` blocks (patches and conversions) are
+    invisible to loads in this thread/task until the block ends; other threads are unaffected,
+    and a ``patched(...)`` block opened inside applies as usual. Use it for a plain reference
+    model while grafts are registered globally. An ``apply_patches()`` block entered outside
+    keeps its classes bound: construct models inside ``unpatched()`` outside such blocks.
+
+    Example:
+        >>> import torch
+        >>> from modelgraft import get_patch_mapping
+        >>> with patched({"LlamaMLP": torch.nn.Identity}), unpatched():
+        ...     get_patch_mapping()
+        {}
+    """
+    token = _strict.set(False)
+    rules = importlib.import_module("modelgraft.conversion.rules")
+    try:
+        with registry.isolated(), rules.isolated_conversions():
+            yield
     finally:
         _strict.reset(token)
 

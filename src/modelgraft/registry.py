@@ -46,6 +46,7 @@ __all__ = [
     "find_replacement",
     "get_patch_mapping",
     "is_exact_key",
+    "isolated",
     "register_patch_mapping",
     "scoped",
     "snapshot",
@@ -174,6 +175,7 @@ class Explanation:
 _write_lock = threading.Lock()
 _global = _Layer(())
 _overlays: ContextVar[tuple[_Layer, ...]] = ContextVar("modelgraft_overlays", default=())
+_global_hidden: ContextVar[bool] = ContextVar("modelgraft_global_hidden", default=False)
 _snapshot_cache: dict[tuple[int, ...], Snapshot] = {}
 
 
@@ -320,8 +322,9 @@ def snapshot() -> Snapshot:
         >>> bool(snap), snap is snapshot()
         (False, True)
     """
-    layers = (_global, *_overlays.get())
-    cache_key = tuple(layer.serial for layer in layers)
+    hidden = _global_hidden.get()
+    layers = (*(() if hidden else (_global,)), *_overlays.get())
+    cache_key = (hidden, *(layer.serial for layer in layers))
     snap = _snapshot_cache.get(cache_key)
     if snap is None:
         snap = Snapshot(layers, next(_serial))
@@ -405,3 +408,26 @@ def scoped(mapping: Mapping[str, type[torch.nn.Module]]) -> Iterator[Snapshot]:
         yield snapshot()
     finally:
         _overlays.reset(token)
+
+
+@contextmanager
+def isolated() -> Iterator[None]:
+    """Hide the global registry and every enclosing ``scoped`` block, in this thread/task only.
+
+    ``scoped`` blocks opened inside apply as usual.
+
+    Example:
+        >>> import torch
+        >>> with scoped({"LlamaMLP": torch.nn.Identity}):
+        ...     with isolated():
+        ...         get_patch_mapping()
+        ...     sorted(get_patch_mapping())
+        {}
+        ['LlamaMLP']
+    """
+    hidden, overlays = _global_hidden.set(True), _overlays.set(())
+    try:
+        yield
+    finally:
+        _overlays.reset(overlays)
+        _global_hidden.reset(hidden)

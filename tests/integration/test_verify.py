@@ -115,6 +115,22 @@ def test_a_local_checkpoint_folder(tmp_path: Path) -> None:
     assert (tmp_path / "work" / "resaved").is_dir()
 
 
+def test_a_checkpoint_folder_with_the_graft_registered_globally(tmp_path: Path) -> None:
+    """The plain reference and the plain reload run unpatched, so a global graft is verified fully."""
+    torch.manual_seed(4)
+    AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(tmp_path / "ckpt")
+    graft = fused_qkv("llama")
+    graft.register()
+    try:
+        result = verify(tmp_path / "ckpt", workdir=tmp_path / "work")
+    finally:
+        graft.unregister()
+    assert result.passed, result.format_table()
+    assert (
+        "plain reload equals the plain model" in {c.name: c for c in result.checks}["save_roundtrip"].detail
+    )
+
+
 def test_tolerance_is_applied() -> None:
     class TinyShift(LlamaAttention):
         def forward(self, *args: object, **kwargs: object) -> tuple:

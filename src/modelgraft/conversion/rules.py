@@ -36,6 +36,7 @@ __all__ = [
     "WeightConverter",
     "WeightRenaming",
     "get_checkpoint_conversion_mapping",
+    "isolated_conversions",
     "lookup_conversions",
     "register_checkpoint_conversion_mapping",
     "scoped_conversions",
@@ -187,6 +188,7 @@ Conversions = tuple[WeightConverter, ...]
 _lock = threading.Lock()
 _registry: dict[str, Conversions] = {}
 _scoped: ContextVar[Mapping[str, Conversions] | None] = ContextVar("modelgraft_conversions", default=None)
+_registry_hidden: ContextVar[bool] = ContextVar("modelgraft_conversions_hidden", default=False)
 
 
 def _validate_entry(key: object, mapping: object) -> Conversions:
@@ -272,14 +274,15 @@ def get_checkpoint_conversion_mapping(model_type_or_class_name: str) -> list[Wei
     scoped = _scoped.get()
     if scoped is not None and model_type_or_class_name in scoped:
         return list(scoped[model_type_or_class_name])
-    found = _registry.get(model_type_or_class_name)
+    found = None if _registry_hidden.get() else _registry.get(model_type_or_class_name)
     return None if found is None else list(found)
 
 
 def lookup_conversions(class_name: str, model_type: str | None) -> tuple[str, Conversions] | None:
     """Return ``(key, converters)`` for a (sub)model: class name first, then ``model_type``."""
     scoped = _scoped.get() or {}
-    registry = _registry  # dict reads are atomic; writers replace values under the lock
+    # dict reads are atomic; writers replace values under the lock
+    registry: Mapping[str, Conversions] = {} if _registry_hidden.get() else _registry
     for key in (class_name, model_type):
         if not key:
             continue
@@ -292,7 +295,7 @@ def lookup_conversions(class_name: str, model_type: str | None) -> tuple[str, Co
 
 def has_any_conversions() -> bool:
     """Cheap check used by the load hooks to stay out of the way when nothing is registered."""
-    return bool(_registry) or bool(_scoped.get())
+    return (bool(_registry) and not _registry_hidden.get()) or bool(_scoped.get())
 
 
 @contextmanager
@@ -317,3 +320,21 @@ def scoped_conversions(conversions: Mapping[str, Sequence[WeightConverter]] | No
         yield
     finally:
         _scoped.reset(token)
+
+
+@contextmanager
+def isolated_conversions() -> Iterator[None]:
+    """Hide the global entries and every enclosing scoped block, in this thread or task only.
+
+    Example:
+        >>> from modelgraft.conversion import WeightRenaming
+        >>> with scoped_conversions({"llama": [WeightRenaming("wq", "q_proj")]}), isolated_conversions():
+        ...     has_any_conversions(), get_checkpoint_conversion_mapping("llama")
+        (False, None)
+    """
+    hidden, scoped = _registry_hidden.set(True), _scoped.set(None)
+    try:
+        yield
+    finally:
+        _scoped.reset(scoped)
+        _registry_hidden.reset(hidden)
