@@ -2,14 +2,15 @@
 
 :func:`fuse_linears` replaces, say, ``q_proj``, ``k_proj`` and ``v_proj`` of an attention module by
 light stand-ins (:class:`FusedSlice`) that share ONE ``nn.Linear`` (``qkv_proj``). The first
-stand-in called with a given input runs the fused matmul and splits its output; the others
+stand-in called with a given input computes every part from the fused weight; the others
 return their part of that same result. The family's own forward (rotary embeddings, q/k norms,
 sliding windows, caches) therefore runs unchanged, while the parameters live only in the fused
 layer, so the state dict holds ``qkv_proj.weight`` and no ``q_proj``/``k_proj``/``v_proj``.
 
-Slices along the last dimension of a contiguous output can still be ``.view``-ed into heads, and
-``torch.split`` gives autograd a single backward node that concatenates the gradients, so the
-fused layer is not slower than the separate ones.
+The parts come from :func:`~modelgraft.grafts._split_linear.split_linear` (one matmul per part,
+a backward that never concatenates gradients), so the fused layer is not slower than the separate
+ones; a fused layer that is no longer a plain ``nn.Linear`` (quantized, hooked, offloaded) is
+called as a module instead and its output split.
 
 Example:
     >>> import torch
@@ -32,8 +33,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from modelgraft.errors import FusionError
+from modelgraft.grafts._split_linear import split_linear
 
 __all__ = ["FusedSlice", "FusionError", "can_fuse_linears", "fuse_linears", "fused_subclass"]
 
@@ -95,10 +98,15 @@ class _FusionGroup:
             if not cached.pending:
                 self._local.cached = None  # every part handed out: release the activations
             return cached.parts[index]
-        parts = tuple(fused(x).split(self.sizes, dim=-1))
+        parts = self._compute(fused, x)
         pending = set(range(len(parts))) - {index}
         self._local.cached = _Cached(x, x._version, weight_version, grad_enabled, parts, pending)
         return parts[index]
+
+    def _compute(self, fused: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if _plain_linear(fused, x):
+            return split_linear(x, fused.weight, fused.bias, self.sizes)
+        return tuple(fused(x).split(self.sizes, dim=-1))
 
     def _traced_part(self, fused: nn.Module, x: torch.Tensor, index: int) -> torch.Tensor:
         # Under torch.compile the identity of ``x`` is known while tracing, but version counters
@@ -112,6 +120,40 @@ class _FusionGroup:
         parts = tuple(fused(x).split(self.sizes, dim=-1))
         self._traced = (x, parts, set(range(len(parts))) - {index})
         return parts[index]
+
+
+def _plain_linear(fused: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``fused`` is an untouched ``nn.Linear`` that :func:`split_linear` may run for it.
+
+    Anything else keeps going through ``fused(x)``: a quantizer's or adapter's own layer, hooks
+    and wrapped forwards (accelerate's offloading replaces ``forward`` on the instance and loads
+    the weight inside it) that :func:`split_linear` would skip, tensor subclasses, and autocast
+    (whose casts a custom backward would have to repeat).
+    """
+    if type(fused) is not nn.Linear or type(x) is not torch.Tensor or "forward" in fused.__dict__:
+        return False
+    weight, bias = fused.weight, fused.bias
+    if type(weight) is not nn.Parameter or not weight.is_floating_point() or weight.is_meta:
+        return False
+    if bias is not None and type(bias) is not nn.Parameter:
+        return False
+    if fused._forward_hooks or fused._forward_pre_hooks or fused._backward_hooks or fused._backward_pre_hooks:
+        return False
+    return not _global_hooks() and not torch.is_autocast_enabled(x.device.type)
+
+
+_GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
+
+
+def _global_hooks() -> bool:
+    # Hooks registered for every module (nn.modules.module.register_module_forward_hook & co.);
+    # private names, so a torch that renames them simply has none to find.
+    return any(getattr(_torch_module, name, None) for name in _GLOBAL_HOOKS)
 
 
 class FusedSlice(nn.Module):
