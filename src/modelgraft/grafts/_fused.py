@@ -128,7 +128,8 @@ def _plain_linear(fused: nn.Module, x: torch.Tensor) -> bool:
     Anything else keeps going through ``fused(x)``: a quantizer's or adapter's own layer, hooks
     and wrapped forwards (accelerate's offloading replaces ``forward`` on the instance and loads
     the weight inside it) that :func:`split_linear` would skip, tensor subclasses, and autocast
-    (whose casts a custom backward would have to repeat).
+    (whose casts a custom backward would have to repeat), and ``torch.func`` transforms (which
+    refuse an autograd function without a ``setup_context``/vmap rule).
     """
     if type(fused) is not nn.Linear or type(x) is not torch.Tensor or "forward" in fused.__dict__:
         return False
@@ -139,7 +140,9 @@ def _plain_linear(fused: nn.Module, x: torch.Tensor) -> bool:
         return False
     if fused._forward_hooks or fused._forward_pre_hooks or fused._backward_hooks or fused._backward_pre_hooks:
         return False
-    return not _global_hooks() and not torch.is_autocast_enabled(x.device.type)
+    if _global_hooks() or torch.is_autocast_enabled(x.device.type):
+        return False
+    return not _functorch_active()
 
 
 _GLOBAL_HOOKS = (
@@ -154,6 +157,12 @@ def _global_hooks() -> bool:
     # Hooks registered for every module (nn.modules.module.register_module_forward_hook & co.);
     # private names, so a torch that renames them simply has none to find.
     return any(getattr(_torch_module, name, None) for name in _GLOBAL_HOOKS)
+
+
+def _functorch_active() -> bool:
+    # The very check torch.autograd.Function.apply makes (a private name, hence the getattr).
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active()) if active is not None else False
 
 
 class FusedSlice(nn.Module):
