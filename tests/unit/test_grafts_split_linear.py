@@ -155,3 +155,13 @@ def test_torch_func_transforms_run_through_the_fused_module() -> None:
     torch.testing.assert_close(per_sample(fused), per_sample(plain), atol=1e-5, rtol=1e-5)
     expected = torch.func.grad(lambda t: _run(plain, t))(x)
     torch.testing.assert_close(torch.func.grad(lambda t: _run(fused, t))(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_double_backward_is_supported() -> None:
+    # create_graph=True (gradient penalties, Hessian-vector products) differentiates the backward.
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(sum(SIZES), 4, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(sum(SIZES), dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda *t: split_linear(*t, SIZES), (x, weight, bias))
+    # a part left out of the loss is a None gradient there too
+    assert torch.autograd.gradgradcheck(lambda *t: split_linear(*t, SIZES)[0].tanh(), (x, weight, bias))

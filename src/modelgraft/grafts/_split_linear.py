@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 __all__ = ["split_linear"]
@@ -55,10 +54,11 @@ class _SplitLinear(torch.autograd.Function):
         return parts
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         sizes: tuple[int, ...] = ctx.sizes
+        if torch.is_grad_enabled():
+            return _differentiable_backward(ctx, x, weight, grads)
         flat = [None if g is None else g.reshape(-1, size) for g, size in zip(grads, sizes, strict=True)]
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
@@ -88,6 +88,22 @@ class _SplitLinear(torch.autograd.Function):
                 else:
                     torch.sum(g, dim=0, out=rows)
         return grad_x, grad_w, grad_b, None
+
+
+def _differentiable_backward(
+    ctx: Any, x: torch.Tensor, weight: torch.Tensor, grads: tuple[torch.Tensor | None, ...]
+) -> tuple[torch.Tensor | None, ...]:
+    # backward(create_graph=True) (gradient penalties, Hessian-vector products): out= and in-place
+    # matmuls are not differentiable, so concatenate and let autograd record ordinary ops.
+    parts = [
+        torch.zeros((*x.shape[:-1], size), dtype=weight.dtype, device=weight.device) if g is None else g
+        for g, size in zip(grads, ctx.sizes, strict=True)
+    ]
+    g = torch.cat(parts, dim=-1).reshape(-1, weight.shape[0])
+    grad_x = (g @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+    grad_w = g.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+    grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_x, grad_w, grad_b, None
 
 
 def split_linear(
