@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from _versions import requires_fused_experts
 from families import family
+from modelgraft import report
 from modelgraft.grafts import (
     FUSED_GATE_UP_FAMILIES,
     FUSED_QKV_FAMILIES,
@@ -161,3 +162,35 @@ def test_a_grafted_model_built_from_config_saves_the_original_layout(model_type:
     plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert sorted(plain.state_dict()) == sorted(AutoModelForCausalLM.from_config(config).state_dict())
     torch.testing.assert_close(_logits(plain, model_type), _logits(grafted, model_type), atol=ATOL, rtol=0)
+
+
+#: Composite models: each graft applies inside every sub-model that has the layers it fuses.
+COMPOSITE_CASES = [
+    pytest.param(lambda t: fused_qkv(t), {"language_model", "vision_tower"}, id="fused_qkv"),
+    pytest.param(lambda t: fused_gate_up(t), {"language_model"}, id="fused_gate_up"),
+    pytest.param(lambda t: fused_qkv(t) + fused_gate_up(t), {"language_model", "vision_tower"}, id="both"),
+]
+
+
+@pytest.mark.parametrize(("make_graft", "grafted_parts"), COMPOSITE_CASES)
+def test_grafts_on_a_vision_language_model_per_sub_model(make_graft, grafted_parts, tmp_path: Path) -> None:
+    """Llava: the text model (llama) and the vision tower (CLIP) get conversion entries of their
+    own model types, so Llava's own (legacy-layout) conversions keep applying around them."""
+    llava = family("llava")
+    torch.manual_seed(0)
+    plain = AutoModelForImageTextToText.from_config(llava.config()).eval()
+    plain.save_pretrained(tmp_path / "ckpt")
+    graft = make_graft("llava")
+    assert "llava" not in graft.conversions
+    with graft.applied(strict=True):
+        grafted = AutoModelForImageTextToText.from_pretrained(tmp_path / "ckpt").eval()
+    replaced = {r.path.split(".")[1] for r in report(grafted).replaced}
+    assert replaced == grafted_parts
+    inputs = llava.inputs(plain.config)
+    with torch.no_grad():
+        torch.testing.assert_close(grafted(**inputs).logits, plain(**inputs).logits, atol=ATOL, rtol=0)
+    grafted.save_pretrained(tmp_path / "out")
+    original = load_file(tmp_path / "ckpt" / "model.safetensors")
+    saved = load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(saved) == sorted(original)
+    assert all(torch.equal(saved[k], v) for k, v in original.items())

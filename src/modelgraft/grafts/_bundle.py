@@ -43,6 +43,10 @@ class _Part:
     converters: tuple[Any, ...] = ()
     # Drop transformers' own conversions that merge per-expert weights into 3D tensors.
     drop_expert_merges: bool = False
+    # Converters for sub-models of a composite model (Llava's language model and vision tower):
+    # ``(sub-model model_type, converter)``; their entries are registered under that model_type,
+    # which modelgraft resolves per sub-model, so the composite's own conversions stay untouched.
+    sub_model_converters: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -110,8 +114,15 @@ class Graft:
         for model_type, parts in self._resolved.items():
             drop = any(p.drop_expert_merges for p in parts)
             converters = list(dict.fromkeys(c for p in parts for c in p.converters))  # a graft added twice
-            builtin = [c for c in _builtin_conversions(model_type) if not (drop and _merges_experts(c))]
-            out[model_type] = builtin + converters
+            if converters or drop or not any(p.sub_model_converters for p in parts):
+                builtin = [c for c in _builtin_conversions(model_type) if not (drop and _merges_experts(c))]
+                out[model_type] = builtin + converters
+            for p in parts:
+                for sub_type, converter in p.sub_model_converters:
+                    if sub_type not in out:
+                        out[sub_type] = list(_builtin_conversions(sub_type))
+                    if converter not in out[sub_type]:
+                        out[sub_type].append(converter)
         return out
 
     def __add__(self, other: Graft) -> Graft:
@@ -218,9 +229,31 @@ def original_class(cls: type[nn.Module]) -> type[nn.Module]:
 def find_modules(model_type: str, accept: Callable[[nn.Module], bool]) -> dict[type[nn.Module], set[str]]:
     """Original classes of the modules ``accept`` selects, with the attribute names they sit under."""
     found: dict[type[nn.Module], set[str]] = {}
-    for path, module in meta_model(model_type).named_modules():
-        if path and accept(module):
-            found.setdefault(original_class(type(module)), set()).add(path.rsplit(".", 1)[-1])
+    for cls, places in find_modules_by_sub_model(model_type, accept).items():
+        found[cls] = {attribute for _, attribute in places}
+    return found
+
+
+def find_modules_by_sub_model(
+    model_type: str, accept: Callable[[nn.Module], bool]
+) -> dict[type[nn.Module], set[tuple[str | None, str]]]:
+    """Like :func:`find_modules`, each attribute name paired with the ``model_type`` of the
+    sub-model holding it (``None`` for the model itself; Llava's language model is ``llama``)."""
+    model = meta_model(model_type)
+    sub_models = {
+        path: module.config.model_type
+        for path, module in model.named_modules()
+        if path
+        and hasattr(module, "base_model_prefix")
+        and hasattr(getattr(module, "config", None), "model_type")
+    }
+    found: dict[type[nn.Module], set[tuple[str | None, str]]] = {}
+    for path, module in model.named_modules():
+        if not path or not accept(module):
+            continue
+        holders = [p for p in sub_models if path.startswith(p + ".")]
+        sub_type = sub_models[max(holders, key=len)] if holders else None
+        found.setdefault(original_class(type(module)), set()).add((sub_type, path.rsplit(".", 1)[-1]))
     return found
 
 
@@ -241,7 +274,7 @@ def fused_linears_part(
     from modelgraft.conversion import Concatenate, WeightConverter
     from modelgraft.grafts._fused import can_fuse_linears
 
-    found = find_modules(model_type, lambda module: can_fuse_linears(module, names))
+    found = find_modules_by_sub_model(model_type, lambda module: can_fuse_linears(module, names))
     if not found:
         kind, graft_name, families = describe
         listed = ", ".join(f"`{n}`" for n in names[:-1]) + f" and `{names[-1]}`"
@@ -250,12 +283,16 @@ def fused_linears_part(
             f"cannot apply. Families known to work: {', '.join(families)}."
         )
     mapping = {cls.__name__: make_class(cls) for cls in found}
-    attributes = sorted(set().union(*found.values()))
-    converters = tuple(
-        WeightConverter([f"{a}.{n}" for n in names], [f"{a}.{fused_name}"], [Concatenate(dim=0)])
-        for a in attributes
-    )
-    return _Part(mapping, converters)
+    places = sorted(set().union(*found.values()), key=lambda place: (place[0] or "", place[1]))
+
+    def converter(attribute: str) -> WeightConverter:
+        return WeightConverter(
+            [f"{attribute}.{n}" for n in names], [f"{attribute}.{fused_name}"], [Concatenate(dim=0)]
+        )
+
+    own = tuple(converter(a) for sub_type, a in places if sub_type is None)
+    in_sub_models = tuple((sub_type, converter(a)) for sub_type, a in places if sub_type is not None)
+    return _Part(mapping, own, sub_model_converters=in_sub_models)
 
 
 # --- transformers' own conversions, in modelgraft terms ----------------------------------------

@@ -165,6 +165,16 @@ def _functorch_active() -> bool:
     return bool(active()) if active is not None else False
 
 
+def _part_view(tensor: torch.Tensor, span: slice) -> torch.Tensor:
+    """Rows ``span`` of a fused tensor, carrying its "loaded" flag: a family's weight init that
+    reaches a part through ``self.q_proj.weight`` (CLIP's does) must skip loaded weights, as it
+    skips the fused tensor itself, instead of re-initialising them through the view."""
+    part = tensor[span]
+    if getattr(tensor, "_is_hf_initialized", False):
+        part._is_hf_initialized = True  # type: ignore[attr-defined]
+    return part
+
+
 class FusedSlice(nn.Module):
     """Stands in for one of the fused ``nn.Linear`` layers; returns its slice of the fused output.
 
@@ -185,12 +195,12 @@ class FusedSlice(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        return self._group.fused().weight[self._span()]
+        return _part_view(self._group.fused().weight, self._span())
 
     @property
     def bias(self) -> torch.Tensor | None:
         bias = getattr(self._group.fused(), "bias", None)
-        return None if bias is None else bias[self._span()]
+        return None if bias is None else _part_view(bias, self._span())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._group.part(x, self._index)
