@@ -11,7 +11,7 @@ from conversion_helpers import GATE_UP, QKV, FusedGateUpLlamaMLP, fused_qkv_clas
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from modelgraft import Concatenate, WeightConverter, patched, report
+from modelgraft import Concatenate, WeightConverter, _compat, patched, report
 
 #: One row per family: tiny config overrides and the attention class the fused QKV replaces.
 FAMILIES = {
@@ -317,3 +317,27 @@ def test_fused_targets_are_lazy_private_file_views_and_survive_a_save_over_their
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     split = reloaded.model.layers[1].self_attn
     assert torch.equal(torch.cat([split.q_proj.weight, split.k_proj.weight, split.v_proj.weight]), qkv)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps (Linux)")
+def test_moe_expert_merges_run_through_modelgraft_are_file_backed_too(tmp_path):
+    """A graft's entry for qwen2_moe carries transformers' expert merge (stack, then gate|up join);
+    that is a row rearrangement, so the merged experts are mapped from the file like fused QKV."""
+    from modelgraft.grafts import fused_qkv
+    from modelgraft.testing import tiny_config
+
+    if not _compat.IS_V5:
+        pytest.skip("transformers 4.57 keeps per-expert layers: there is no expert merge to run")
+    torch.manual_seed(0)
+    config = tiny_config("qwen2_moe", hidden_size=64, moe_intermediate_size=64, num_experts=4)
+    plain = AutoModelForCausalLM.from_config(config).eval()
+    plain.save_pretrained(tmp_path)
+    graft = fused_qkv("qwen2_moe")
+    with graft.applied(strict=True):
+        grafted = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    experts = grafted.model.layers[0].mlp.experts
+    assert str(tmp_path / "model.safetensors") in _file_backed(experts.gate_up_proj)
+    assert torch.equal(experts.gate_up_proj, plain.model.layers[0].mlp.experts.gate_up_proj)
+    ids = torch.randint(0, 100, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(grafted(ids).logits, plain(ids).logits, atol=1e-5, rtol=0)

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-__all__ = ["SafetensorsFile", "read_into_many"]
+__all__ = ["SafetensorsFile", "read_into_many", "read_ranges_into"]
 
 # Reads of at least twice this size are split across threads (one slice per thread, page-aligned).
 _CHUNK_MIN = 1 << 20
@@ -134,30 +134,62 @@ class SafetensorsFile:
 
 
 def read_into_many(items: Sequence[tuple[SafetensorsFile, str, torch.Tensor]]) -> None:
-    """Fill each contiguous CPU tensor ``out`` of ``(file, key, out)`` with ``key`` of ``file``.
+    """Fill each contiguous CPU tensor ``out`` of ``(file, key, out)`` with ``key`` of ``file``
+    (all reads at once, see :func:`read_ranges_into`)."""
+    jobs: list[_Job] = []
+    for f, key, out in items:
+        jobs.extend(_jobs([(f.path, *f.byte_range(key))], out, key))
+    _run(jobs)
+
+
+def read_ranges_into(ranges: Sequence[tuple[str, int, int]], out: torch.Tensor, what: str = "tensor") -> None:
+    """Fill the contiguous CPU tensor ``out`` with the ``(path, offset, nbytes)`` ranges, in order.
 
     The copies out of the page cache (and the first touch of each destination's fresh pages) run
-    in the kernel with the GIL released, so large reads are split into page-aligned slices and,
+    in the kernel with the GIL released, so large ranges are split into page-aligned slices and,
     with the small ones, read by a few threads at once.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "blob")
+        >>> with open(path, "wb") as fh:
+        ...     _ = fh.write(bytes(range(10)))
+        >>> out = torch.empty(4, dtype=torch.uint8)
+        >>> read_ranges_into([(path, 6, 2), (path, 1, 2)], out)
+        >>> out.tolist()
+        [6, 7, 1, 2]
     """
-    jobs: list[tuple[str, memoryview, int, str]] = []
-    for f, key, out in items:
-        start, end = f._entries[key]["data_offsets"]
-        buffer = memoryview(out.view(-1).view(torch.uint8).numpy())
-        if buffer.nbytes != end - start:
-            raise ValueError(f"`{key}` holds {end - start} bytes; the destination holds {buffer.nbytes}.")
-        offset = f._data_start + start
-        jobs.extend((f.path, buffer[a:b], offset + a, key) for a, b in _chunks(buffer.nbytes))
+    _run(_jobs(ranges, out, what))
+
+
+_Job = tuple[str, memoryview, int, str]  # (path, destination, file offset, what is read)
+
+
+def _jobs(ranges: Sequence[tuple[str, int, int]], out: torch.Tensor, what: str) -> list[_Job]:
+    buffer = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+    total = sum(n for _, _, n in ranges)
+    if buffer.nbytes != total:
+        raise ValueError(f"`{what}` holds {total} bytes; the destination holds {buffer.nbytes}.")
+    jobs: list[_Job] = []
+    at = 0
+    for path, offset, nbytes in ranges:
+        part = buffer[at : at + nbytes]
+        jobs.extend((path, part[a:b], offset + a, what) for a, b in _chunks(nbytes))
+        at += nbytes
+    return jobs
+
+
+def _run(jobs: Sequence[_Job]) -> None:
     fds: dict[str, int] = {}
     try:
         for path, *_ in jobs:
             if path not in fds:
                 fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
         if len(jobs) == 1 or not hasattr(os, "preadv") or _threads() == 1:
-            for path, buffer, offset, key in jobs:
-                _read_range(fds[path], buffer, offset, path, key)
+            for path, view, offset, key in jobs:
+                _read_range(fds[path], view, offset, path, key)
             return
-        futures = [_pool().submit(_read_range, fds[p], buf, off, p, k) for p, buf, off, k in jobs]
+        futures = [_pool().submit(_read_range, fds[p], view, off, p, k) for p, view, off, k in jobs]
         wait(futures)  # every read ends before its file is closed, even when one fails
         for future in futures:
             future.result()

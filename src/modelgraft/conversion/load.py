@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from modelgraft.conversion._filemap import map_ranges
+from modelgraft.conversion._layout import ByteLayout, convert_layouts
 from modelgraft.conversion._plan import Group, plan_groups, run_convert
-from modelgraft.conversion._safetensors import SafetensorsFile, read_into_many
-from modelgraft.conversion.ops import Concatenate
+from modelgraft.conversion._safetensors import SafetensorsFile, read_ranges_into
 from modelgraft.conversion.rules import Conversions, has_any_conversions, lookup_conversions
 from modelgraft.errors import ConversionError
 from modelgraft.report import ConversionRecord, _report_for
@@ -312,7 +312,7 @@ def _run_group(
         )
     # A weight bound for the disk is built on the CPU, written to the offload folder, then dropped.
     devices.update((k, "cpu") for k in to_disk)
-    out = _concat_rows_in_place(group, params, locate, devices) if not to_disk else None
+    out = _rearranged_targets(group, params, locate, devices) if not to_disk else None
     if out is None:
         tensors = [[_read(locate, k) for k in keys] for keys in group.sources]
         out = run_convert(group, tensors, target_shapes)
@@ -334,42 +334,54 @@ def _read(locate: Callable[[str], tuple[SafetensorsFile, str]], key: str) -> tor
     return f.read(ckpt_key)
 
 
-def _concat_rows_in_place(
+def _rearranged_targets(
     group: Group,
     params: Mapping[str, torch.Tensor],
     locate: Callable[[str], tuple[SafetensorsFile, str]],
-    devices: Mapping[str, torch.device | str],
+    devices: Mapping[str, torch.device | str | int],
 ) -> list[list[torch.Tensor]] | None:
-    """Fast path of the common fusion (a single ``Concatenate(dim=0)``): the target is the sources'
-    bytes one after another, so it is built from private mappings of the file where the layout
-    allows (as lazy as a plain load, see ``_filemap``), else each source is read straight into its
-    rows of the target, so every byte is copied once. ``None`` when the group
-    does not qualify (other ops, dtype cast, non-CPU target, shapes that do not add up; the
-    generic path then runs and reports any error)."""
-    ops = group.converter.operations
-    if len(ops) != 1 or not isinstance(ops[0], Concatenate) or ops[0].dim != 0 or len(group.targets) != 1:
+    """Fast path of conversions that only rearrange rows (fused QKV and gate/up, MoE expert merges;
+    see ``_layout``): each target is built straight from the file, from private mappings where the
+    layout allows (as lazy as a plain load, see ``_filemap``), else read range by range into it, so
+    every byte is copied once. ``None`` when the group does not qualify (other operations, a dtype
+    cast, a non-CPU target, shapes that do not fit; the generic path then runs and reports errors)."""
+    sources: list[list[ByteLayout]] = []
+    dtype = None
+    for keys in group.sources:
+        layouts = []
+        for key in keys:
+            f, ckpt_key = locate(key)
+            if dtype is None:
+                dtype = f.dtype(ckpt_key)
+            if dtype is None or f.dtype(ckpt_key) != dtype:
+                return None
+            layouts.append(
+                ByteLayout(tuple(f.shape(ckpt_key)), dtype.itemsize, ((f.path, *f.byte_range(ckpt_key)),))
+            )
+        sources.append(layouts)
+    converted = convert_layouts(group.converter.operations, sources)
+    if converted is None or len(converted) != len(group.targets):
         return None
-    out: list[torch.Tensor] = []
-    for j, target in enumerate(group.targets[0]):
-        ref = params[target]
-        if torch.device(devices[target]).type != "cpu" or ref.dim() == 0:
+    for keys, layouts in zip(group.targets, converted):
+        if len(keys) != len(layouts):
             return None
-        parts = [locate(keys[j]) if j < len(keys) else None for keys in group.sources]
-        if any(p is None or p[0].dtype(p[1]) != ref.dtype for p in parts):
-            return None
-        shapes = [p[0].shape(p[1]) for p in parts]
-        if any(s[1:] != ref.shape[1:] for s in shapes) or sum(s[0] for s in shapes) != ref.shape[0]:
-            return None
-        mapped = map_ranges([(f.path, *f.byte_range(key)) for f, key in parts], ref.dtype, ref.shape)
-        if mapped is not None:
-            out.append(mapped)
-            continue
-        buffer = torch.empty(ref.shape, dtype=ref.dtype)
-        reads = []
-        row = 0
-        for (f, key), shape in zip(parts, shapes):
-            reads.append((f, key, buffer[row : row + shape[0]]))
-            row += shape[0]
-        read_into_many(reads)
-        out.append(buffer)
-    return [out]
+        for key, layout in zip(keys, layouts):
+            ref = params[key]
+            if (
+                ref.dtype != dtype
+                or tuple(ref.shape) != layout.shape
+                or ref.dim() == 0
+                or str(devices[key]) != "cpu"
+            ):
+                return None
+    out: list[list[torch.Tensor]] = []
+    for keys, layouts in zip(group.targets, converted):
+        built = []
+        for key, layout in zip(keys, layouts):
+            tensor = map_ranges(layout.ranges, dtype, layout.shape)
+            if tensor is None:
+                tensor = torch.empty(layout.shape, dtype=dtype)
+                read_ranges_into(layout.ranges, tensor, key)
+            built.append(tensor)
+        out.append(built)
+    return out
