@@ -154,6 +154,16 @@ class WeightConverter:
         ops = f", {list(self.operations)}" if self.operations else ""
         return f"{type(self).__name__}({list(self.source_patterns)} -> {list(self.target_patterns)}{ops})"
 
+    # Immutable, so copies may share it; pickling rebuilds it through __init__ (which validates).
+    def __copy__(self) -> WeightConverter:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> WeightConverter:
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (_rebuild_converter, (type(self), self.source_patterns, self.target_patterns, self.operations))
+
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and self._key() == other._key()  # type: ignore[attr-defined]
 
@@ -181,6 +191,14 @@ class WeightRenaming(WeightConverter):
 
     def __init__(self, source_patterns: str | Sequence[str], target_patterns: str | Sequence[str]) -> None:
         super().__init__(source_patterns, target_patterns, ())
+
+
+def _rebuild_converter(
+    cls: type[WeightConverter], sources: tuple[str, ...], targets: tuple[str, ...], operations: tuple
+) -> WeightConverter:
+    converter = object.__new__(cls)
+    WeightConverter.__init__(converter, sources, targets, operations)
+    return converter
 
 
 Conversions = tuple[WeightConverter, ...]

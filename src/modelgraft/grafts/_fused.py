@@ -36,6 +36,7 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 
 from modelgraft.errors import FusionError
+from modelgraft.grafts._pickling import RECIPE_ATTR, GraftedClass
 from modelgraft.grafts._split_linear import split_linear
 
 __all__ = ["FusedSlice", "FusionError", "can_fuse_linears", "fuse_linears", "fused_subclass"]
@@ -319,7 +320,7 @@ def fused_subclass(
             return module
 
         name = f"{prefix}{base.__name__}"
-        cls = type(
+        cls = GraftedClass(
             name,
             (base,),
             {
@@ -329,9 +330,8 @@ def fused_subclass(
                 "_from_original": classmethod(_from_original),
                 "_modelgraft_original": base,
                 "_modelgraft_fused": (names, fused_name),
+                RECIPE_ATTR: (fused_subclass, (base, names, fused_name, prefix)),
             },
         )
         _SUBCLASSES[key] = cls
-        # Reachable by name, so that grafted models pickle (torch.save) within this process.
-        globals().setdefault(name, cls)
         return cls

@@ -38,6 +38,7 @@ from modelgraft.grafts._bundle import (
     find_modules,
     original_class,
 )
+from modelgraft.grafts._pickling import RECIPE_ATTR, GraftedClass
 
 __all__ = ["LINEAR_EXPERTS_FAMILIES", "LinearExpert", "linear_experts", "linear_experts_class"]
 
@@ -222,7 +223,7 @@ def linear_experts_class(
         found = _CLASSES.get(key)
         if found is None:
             name = f"Linear{experts_class.__name__}"
-            found = type(
+            found = GraftedClass(
                 name,
                 (_LinearExpertsBase,),
                 {
@@ -230,11 +231,10 @@ def linear_experts_class(
                     "__doc__": f"`{experts_class.__name__}` as a `ModuleList` of per-expert `nn.Linear` layers.",
                     "_modelgraft_original": experts_class,
                     "_expert_names": tuple(names),
+                    RECIPE_ATTR: (linear_experts_class, (experts_class, tuple(names))),
                 },
             )
             _CLASSES[key] = found
-            # Reachable by name, so that grafted models pickle (torch.save) within this process.
-            globals().setdefault(name, found)
         return found
 
 
