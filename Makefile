@@ -39,6 +39,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/apply_overhead.py
 	$(PY) benchmarks/load_conversion.py
+	$(PY) benchmarks/load_conversion.py --model qwen2_moe
 	$(PY) benchmarks/replay_overhead.py
 	$(PY) benchmarks/grafts_speed.py
 	$(PY) benchmarks/inspect_speed.py
