@@ -21,6 +21,9 @@ Example:
 
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,17 +50,23 @@ class ByteLayout:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.itemsize
 
+    @functools.cached_property
+    def _starts(self) -> list[int]:
+        return list(itertools.accumulate((n for _, _, n in self.ranges), initial=0))
+
     def span(self, start: int, length: int) -> list[Range]:
         """The ranges holding bytes ``[start, start + length)`` of the tensor."""
+        starts = self._starts
         out: list[Range] = []
-        at = 0
-        for path, offset, n in self.ranges:
-            lo, hi = max(start, at), min(start + length, at + n)
+        # Expert merges ask for one block per expert: find the first range by bisection, so a
+        # layer of E experts costs O(E log E), not O(E^2).
+        i = bisect.bisect_right(starts, start) - 1
+        while i < len(self.ranges) and starts[i] < start + length:
+            path, offset, n = self.ranges[i]
+            lo, hi = max(start, starts[i]), min(start + length, starts[i] + n)
             if lo < hi:
-                out.append((path, offset + lo - at, hi - lo))
-            at += n
-            if at >= start + length:
-                break
+                out.append((path, offset + lo - starts[i], hi - lo))
+            i += 1
         return out
 
 
