@@ -7,13 +7,14 @@ num_hidden_layers, top_k)`` int32 per request, dense layers' rows zero, SGLang a
 from __future__ import annotations
 
 import base64
+import itertools
 
 import numpy as np
 import pytest
 import torch
 
 from modelgraft.errors import RoutingError
-from modelgraft.moe import RoutingTrace, from_sglang, from_vllm, moe_layers, replay_routing
+from modelgraft.moe import RoutingTrace, from_sglang, from_vllm, join_routes, moe_layers, replay_routing
 from modelgraft.moe._families import build_tiny
 
 LENGTHS = [5, 3]  # tokens per request: prompt + completion
@@ -159,3 +160,54 @@ def test_trace_constructor_checks() -> None:
         RoutingTrace([torch.zeros(1, 2, dtype=torch.long)] * 2, layer_ids=[0])
     with pytest.raises(RoutingError, match=r"layer `0` must be a 2-D integer tensor"):
         RoutingTrace([torch.zeros(3)])
+
+
+# ---- multi-turn incremental transfer (vLLM routed_experts_prompt_start, SGLang routed_experts_start_len)
+def _turns(total: int, cuts: list[int], seed: int = 3) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
+    """The whole route array of one request, and its parts as an engine sends them turn by turn."""
+    whole = _engine_output([total + 1], seed=seed)[0]  # `total` routed rows
+    bounds = [0, *cuts, total]
+    return whole, [(a, whole[a:b]) for a, b in itertools.pairwise(bounds)]
+
+
+@pytest.mark.parametrize("cuts", [[3], [2, 5], [1, 2, 3, 4]])
+def test_join_routes_rebuilds_the_whole_request_in_any_order(cuts: list[int]) -> None:
+    whole, parts = _turns(7, cuts)
+    joined = join_routes(list(reversed(parts)))
+    assert torch.equal(joined, torch.from_numpy(whole.astype(np.int64)))
+
+
+def test_joined_turns_feed_from_vllm_like_a_whole_array(model: torch.nn.Module) -> None:
+    whole, parts = _turns(LENGTHS[0] - 1, [2])
+    rest = _engine_output(LENGTHS[1:], seed=9)
+    direct = from_vllm([whole, *rest], model, input_lengths=LENGTHS)
+    joined = from_vllm([join_routes(parts), *rest], model, input_lengths=LENGTHS)
+    assert all(torch.equal(a, b) for a, b in zip(direct, joined))
+
+
+def test_join_routes_checks_rows_sent_twice() -> None:
+    whole, _ = _turns(6, [])
+    again = whole[2:5].copy()
+    assert torch.equal(
+        join_routes([(0, whole[:4]), (2, again)]), torch.from_numpy(whole[:5].astype(np.int64))
+    )
+    again[1, 1] = (again[1, 1] + 1) % 8  # token 3 routed differently the second time
+    with pytest.raises(RoutingError, match="Token 3 was routed differently"):
+        join_routes([(0, whole[:4]), (2, again)])
+    kept = join_routes([(0, whole[:4]), (2, again)], overlap="last")
+    assert torch.equal(kept[3], torch.from_numpy(again[1].astype(np.int64)))
+
+
+@pytest.mark.parametrize(
+    ("parts", "message"),
+    [
+        (lambda w: [(0, w[:2]), (3, w[3:])], r"Rows for tokens \[2, 3\) are missing"),
+        (lambda w: [(1, w[1:])], r"rows for tokens \[0, 1\) are missing"),
+        (lambda w: [(0, w[:2]), (2, w[2:, :1])], r"every part must be \(rows, 3, 2\)"),
+        (lambda w: [], "at least one"),
+    ],
+)
+def test_join_routes_errors_name_the_problem(parts, message: str) -> None:
+    whole, _ = _turns(6, [])
+    with pytest.raises(RoutingError, match=message):
+        join_routes(parts(whole))

@@ -11,7 +11,7 @@ Example:
 
 from __future__ import annotations
 
-from modelgraft.moe.engines import from_sglang, from_vllm, layout_requests
+from modelgraft.moe.engines import from_sglang, from_vllm, join_routes, layout_requests
 from modelgraft.moe.routing import moe_layers, record_routing, replay_routing
 from modelgraft.moe.trace import RoutingTrace
 
@@ -19,6 +19,7 @@ __all__ = [
     "RoutingTrace",
     "from_sglang",
     "from_vllm",
+    "join_routes",
     "layout_requests",
     "moe_layers",
     "record_routing",

@@ -36,7 +36,7 @@ from torch import nn
 from modelgraft.errors import RoutingError
 from modelgraft.moe.trace import RoutingTrace
 
-__all__ = ["from_sglang", "from_vllm", "layout_requests"]
+__all__ = ["from_sglang", "from_vllm", "join_routes", "layout_requests"]
 
 _INT_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32}
 
@@ -201,6 +201,79 @@ def from_vllm(
             )
         requests.append(arr)
     return layout_requests(requests, mask, experts, layer_ids=ids, model_type=model_type)
+
+
+def join_routes(parts: Sequence[tuple[int, Any]], overlap: str = "check") -> torch.Tensor:
+    """Join one request's routed experts received in parts: multi-turn incremental transfer.
+
+    With vLLM's ``SamplingParams.routed_experts_prompt_start`` (SGLang: ``routed_experts_start_len``)
+    an engine returns only the rows from a token index on, so each turn of a conversation sends its
+    new rows once. Give each part as ``(start, rows)``, ``start`` being the token index of its first
+    row; together the parts must cover the rows from token 0 without a gap. The result goes to
+    :func:`from_vllm` like a whole array.
+
+    Args:
+        parts: ``(start, array of shape (rows, layers, top_k))`` in any order.
+        overlap: rows sent in two parts must be equal (``"check"``, the default: a mismatch means
+            the engine routed the same token differently, which replay cannot honour twice), or the
+            later part wins (``"last"``).
+
+    Raises:
+        RoutingError: a gap (names the missing token indices), a mismatch in an overlap (names the
+            first token), parts whose layer or top-k axes differ, a negative start.
+
+    Example:
+        >>> import numpy as np
+        >>> turn1 = np.array([[[1, 2]], [[0, 3]]], dtype=np.int32)  # tokens 0-1
+        >>> turn2 = np.array([[[3, 1]], [[2, 0]]], dtype=np.int32)  # tokens 2-3 (prompt_start=2)
+        >>> join_routes([(0, turn1), (2, turn2)])[:, 0].tolist()
+        [[1, 2], [0, 3], [3, 1], [2, 0]]
+    """
+    if overlap not in ("check", "last"):
+        raise RoutingError(f"`overlap` must be 'check' or 'last'; got `{overlap}`.")
+    if not parts:
+        raise RoutingError("`join_routes` needs at least one `(start, rows)` part.")
+    ordered = sorted(
+        ((int(start), _as_long(rows, f"the part starting at token {start}")) for start, rows in parts),
+        key=lambda part: part[0],
+    )
+    if ordered[0][0] < 0:
+        raise RoutingError(f"A part starts at token {ordered[0][0]}; starts are token indices (>= 0).")
+    if ordered[0][1].dim() != 3:
+        raise RoutingError(
+            f"The part starting at token {ordered[0][0]} has shape {tuple(ordered[0][1].shape)}; parts must be "
+            "(rows, layers, top_k)."
+        )
+    shape = ordered[0][1].shape[1:]
+    joined = ordered[0][1]
+    if ordered[0][0] != 0:
+        raise RoutingError(
+            f"The parts start at token {ordered[0][0]}; rows for tokens [0, {ordered[0][0]}) are missing. "
+            "Pass the part that starts at 0 (the first turn's routes)."
+        )
+    for start, rows in ordered[1:]:
+        if rows.dim() != 3 or rows.shape[1:] != shape:
+            raise RoutingError(
+                f"The part starting at token {start} has shape {tuple(rows.shape)}; every part must be "
+                f"(rows, {shape[0]}, {shape[1]}) like the first."
+            )
+        end = joined.shape[0]
+        if start > end:
+            raise RoutingError(
+                f"Rows for tokens [{end}, {start}) are missing between the parts; the part starting at "
+                f"token {start} does not continue the rows so far (they end at token {end})."
+            )
+        common = min(end - start, rows.shape[0])
+        if overlap == "check" and common > 0:
+            differ = (joined[start : start + common] != rows[:common]).flatten(1).any(1).nonzero()
+            if differ.numel():
+                token = start + int(differ[0])
+                raise RoutingError(
+                    f"Token {token} was routed differently in two parts (rows sent twice must agree); pass "
+                    "`overlap='last'` to keep the later part's routes."
+                )
+        joined = torch.cat([joined[:start], rows, joined[start + rows.shape[0] :]])
+    return joined
 
 
 def _select_layers(
