@@ -29,6 +29,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from modelgraft._wrapping import Wrappers
 from modelgraft.conversion import load as _load
 from modelgraft.conversion import save as _save
@@ -46,6 +48,7 @@ class _Load:
     files: list[str] | None
     device_map: dict | None
     key_mapping: dict[str, str] | None
+    quantizer: Any = None
     consumed: set[str] = field(default_factory=set)
 
 
@@ -85,7 +88,9 @@ def _wrap_load_pretrained_model(original: Any) -> Any:
         if not has_any_conversions():
             return original(cls, model, state_dict, checkpoint_files, *args, **kwargs)
         files = list(checkpoint_files) if checkpoint_files and state_dict is None else None
-        token = _current.set(_Load(files, kwargs.get("device_map"), kwargs.get("key_mapping")))
+        token = _current.set(
+            _Load(files, kwargs.get("device_map"), kwargs.get("key_mapping"), kwargs.get("hf_quantizer"))
+        )
         try:
             return original(cls, model, state_dict, checkpoint_files, *args, **kwargs)
         finally:
@@ -108,6 +113,7 @@ def _wrap_find_missing(original: Any) -> Any:
             left_unexpected,
             _load.device_for_map(load.device_map),
             _renamer(model, load.key_mapping),
+            place=_unquantized_notice(model, load.quantizer),
         )
         load.consumed |= set(unexpected) - left_unexpected
         # Consumed keys stay "unexpected" until the shards are loaded, so transformers does not try
@@ -115,6 +121,24 @@ def _wrap_find_missing(original: Any) -> Any:
         return [k for k in missing if k in still_missing], unexpected
 
     return _find_missing_and_unexpected_keys
+
+
+def _unquantized_notice(model: Any, quantizer: Any) -> Any:
+    """4.57 quantizes only the weights it reads itself: say so for each converted weight (a problem
+    in the report, an error in strict mode) instead of returning a partly quantized model silently."""
+    if quantizer is None:
+        return None
+    from modelgraft.report import _report_for
+
+    def place(key: str, tensor: torch.Tensor) -> bool:
+        _report_for(model).problems.append(
+            f"`{key}` was built by a modelgraft conversion and is not quantized by "
+            f"{type(quantizer).__name__}: transformers 4.57 quantizes only the weights it loads itself. "
+            "Use transformers 5.x, or keep these modules out of quantization (`modules_to_not_convert`)."
+        )
+        return False
+
+    return place
 
 
 def _wrap_adjust(original: Any) -> Any:

@@ -84,6 +84,33 @@ def _renamer(weight_mapping: list) -> Any:
     return lambda key: _tcore.apply_renamings(key, renamings)
 
 
+def _quantizing_placer(model: Any, quantizer: Any, loading_info: Any) -> Any:
+    """With a quantizing load, hand each converted weight the quantizer wants to its quantize step,
+    exactly as transformers' loading loop does with the weights it loads, so that fused layers are
+    quantized like the separate ones (not left in full precision)."""
+    if quantizer is None:
+        return None
+
+    def place(key: str, tensor: torch.Tensor) -> bool:
+        if not quantizer.param_needs_quantization(model, key):
+            return False
+        realized = quantizer.get_quantize_ops().convert(
+            {key: tensor},
+            source_patterns=[key],
+            target_patterns=[key],
+            full_layer_name=key,
+            model=model,
+            config=model.config,
+            missing_keys=loading_info.missing_keys,
+        )
+        for name, value in realized.items():
+            value = value[0] if isinstance(value, list) else value
+            _tcore.set_param_for_module(model, name, value, loading_info, quantizer)
+        return True
+
+    return place
+
+
 def _wrap_load_pretrained_model(original: Any) -> Any:
     def _load_pretrained_model(
         model: Any, state_dict: Any, checkpoint_files: Any, load_config: Any, *a, **kw
@@ -107,6 +134,7 @@ def _wrap_load_pretrained_model(original: Any) -> Any:
                 _load.device_for_map(getattr(load_config, "device_map", None)),
                 _renamer(getattr(load_config, "weight_mapping", None) or []),
                 offload,
+                _quantizing_placer(model, getattr(load_config, "hf_quantizer", None), loading_info),
             )
             if offloaded and offload_index is None:
                 offload_index = offloaded

@@ -213,6 +213,7 @@ def apply_load_conversions(
     device_for: Callable[[str], torch.device | str] = lambda _key: "cpu",
     rename: Callable[[str], str] | None = None,
     offload: Callable[[str, torch.Tensor], None] | None = None,
+    place: Callable[[str, torch.Tensor], bool] | None = None,
 ) -> ConversionState | None:
     """Fill ``missing_keys`` of ``model`` that a registered converter can produce, in place.
 
@@ -221,6 +222,8 @@ def apply_load_conversions(
     (legacy layouts such as ``language_model.model.*``) before the base-model prefix is adjusted.
     A target whose ``device_for`` is ``"disk"`` is handed, converted, to ``offload(key, tensor)``
     (the loader writes it to its offload folder) and its parameter stays on the meta device.
+    ``place(key, tensor)``, when given, may put a converted tensor into the model itself (a
+    quantizing loader quantizes it) and returns whether it did; otherwise it is set as it is.
     Returns the state saved on the model, or ``None`` when no entry applies.
 
     Raises:
@@ -262,7 +265,7 @@ def apply_load_conversions(
         plan = plan_groups(scope.converters, owned_missing, src_shapes)
         for local_group in plan.groups:
             group = _globalise(local_group, scope)
-            _run_group(model, group, params, locate, device_for, offload)
+            _run_group(model, group, params, locate, device_for, offload, place)
             state.groups.append(group)
             missing_keys.difference_update(group.flat_targets)
             for k in group.flat_sources:
@@ -298,6 +301,7 @@ def _run_group(
     locate: Callable[[str], tuple[SafetensorsFile, str]],
     device_for: Callable[[str], torch.device | str],
     offload: Callable[[str, torch.Tensor], None] | None,
+    place: Callable[[str, torch.Tensor], bool] | None = None,
 ) -> None:
     target_shapes = [[params[k].shape for k in keys] for keys in group.targets]
     devices = {
@@ -326,7 +330,8 @@ def _run_group(
                 continue
             if value._base is not None:  # a view into a shared buffer would look like a tied weight
                 value = value.clone()
-            _set_tensor(model, key, value)
+            if place is None or not place(key, value):
+                _set_tensor(model, key, value)
 
 
 def _read(locate: Callable[[str], tuple[SafetensorsFile, str]], key: str) -> torch.Tensor:
