@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 import sys
@@ -35,6 +36,8 @@ import weakref
 from collections.abc import Sequence
 
 import torch
+
+from modelgraft.conversion._safetensors import read_range
 
 __all__ = ["map_ranges", "mapping_enabled"]
 
@@ -86,15 +89,6 @@ def _reserve(count: int) -> bool:
         return True
 
 
-def _pread_exact(fd: int, view: memoryview, offset: int) -> None:
-    done = 0
-    while done < view.nbytes:
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if not n:
-            raise OSError(f"unexpected end of file at byte {offset + done}")
-        done += n
-
-
 def map_ranges(
     ranges: Sequence[tuple[str, int, int]], dtype: torch.dtype, shape: Sequence[int]
 ) -> torch.Tensor | None:
@@ -105,8 +99,8 @@ def map_ranges(
     caller reads the ranges itself. The tensor owns its mappings; they go when it goes.
     """
     nbytes = sum(n for _, _, n in ranges)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if not ranges or not mapping_enabled() or nbytes < _PAGE or nbytes != itemsize * _numel(shape):
+    itemsize = dtype.itemsize
+    if not ranges or not mapping_enabled() or nbytes < _PAGE or nbytes != itemsize * math.prod(shape):
         return None
     lead = ranges[0][1] % _PAGE  # where the tensor starts inside its first page
     if lead % itemsize:
@@ -154,15 +148,21 @@ def map_ranges(
             # The partial pages around the mapped run (or the whole range) are read instead.
             if start > at_ or not length:
                 head_end = start if length else at_ + n
-                _pread_exact(fd, view[at_:head_end], offset)
+                read_range(fd, view[at_:head_end], offset, path, "a converted tensor")
             if length and start + length < at_ + n:
-                _pread_exact(fd, view[start + length : at_ + n], offset + (start + length - at_))
+                read_range(
+                    fd,
+                    view[start + length : at_ + n],
+                    offset + (start + length - at_),
+                    path,
+                    "a converted tensor",
+                )
     finally:
         for fd in fds.values():
             os.close(fd)
         view.release()
     storage = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=lead).untyped_storage()
-    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape), _contiguous_strides(shape))
+    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))  # contiguous strides
 
 
 def _whole_pages(start: int, n: int) -> tuple[int, int]:
@@ -177,18 +177,3 @@ def _map_fixed(address: int, length: int, fd: int, offset: int) -> bool:
     prot = mmap.PROT_READ | mmap.PROT_WRITE
     got = _mmap_call(address, length, prot, mmap.MAP_PRIVATE | _MAP_FIXED, fd, offset)
     return got == address
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for s in reversed(tuple(shape)):
-        strides.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(strides))

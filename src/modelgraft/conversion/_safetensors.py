@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-__all__ = ["SafetensorsFile", "read_into_many", "read_ranges_into"]
+__all__ = ["SafetensorsFile", "read_into_many", "read_range", "read_ranges_into"]
 
 # Reads of at least twice this size are split across threads (one slice per thread, page-aligned).
 _CHUNK_MIN = 1 << 20
@@ -57,7 +57,7 @@ def _chunks(nbytes: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)]
 
 
-def _read_range(fd: int, buffer: memoryview, offset: int, path: str, key: str) -> None:
+def read_range(fd: int, buffer: memoryview, offset: int, path: str, key: str) -> None:
     """Read ``buffer.nbytes`` bytes at ``offset`` of ``fd`` straight into ``buffer`` (short reads retried)."""
     fh = None if hasattr(os, "preadv") else io.FileIO(fd, closefd=False)
     done = 0
@@ -187,9 +187,9 @@ def _run(jobs: Sequence[_Job]) -> None:
                 fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
         if len(jobs) == 1 or not hasattr(os, "preadv") or _threads() == 1:
             for path, view, offset, key in jobs:
-                _read_range(fds[path], view, offset, path, key)
+                read_range(fds[path], view, offset, path, key)
             return
-        futures = [_pool().submit(_read_range, fds[p], view, off, p, k) for p, view, off, k in jobs]
+        futures = [_pool().submit(read_range, fds[p], view, off, p, k) for p, view, off, k in jobs]
         wait(futures)  # every read ends before its file is closed, even when one fails
         for future in futures:
             future.result()
