@@ -11,6 +11,7 @@ from conversion_helpers import GATE_UP, QKV, FusedGateUpLlamaMLP, fused_qkv_clas
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from _file_backing import backing_files, needs_proc_maps
 from modelgraft import Concatenate, WeightConverter, _compat, patched, report
 
 #: One row per family: tiny config overrides and the attention class the fused QKV replaces.
@@ -268,20 +269,7 @@ def test_concurrent_loads_see_only_their_own_scoped_conversions(tmp_path):
         torch.testing.assert_close(model.eval()(X).logits, plain(X).logits, atol=1e-5, rtol=0)
 
 
-def _file_backed(tensor: torch.Tensor) -> set[str]:
-    """The files whose pages back ``tensor`` (from /proc/self/maps)."""
-    start = tensor.data_ptr()
-    end = start + tensor.untyped_storage().nbytes()
-    files = set()
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split(maxsplit=5)
-        lo, hi = (int(x, 16) for x in fields[0].split("-"))
-        if lo < end and hi > start and len(fields) == 6:
-            files.add(fields[5].removesuffix(" (deleted)"))
-    return files
-
-
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps (Linux)")
+@needs_proc_maps
 @pytest.mark.parametrize("file_mapping", ["1", "0"])
 def test_fused_targets_are_lazy_private_file_views_and_survive_a_save_over_their_checkpoint(
     tmp_path, monkeypatch, file_mapping
@@ -305,7 +293,7 @@ def test_fused_targets_are_lazy_private_file_views_and_survive_a_save_over_their
     assert torch.equal(
         gate_up, torch.cat([original[f"model.layers.1.mlp.{n}_proj.weight"] for n in ("gate", "up")])
     )
-    assert (ckpt_file in _file_backed(qkv) and ckpt_file in _file_backed(gate_up)) == (file_mapping == "1")
+    assert (ckpt_file in backing_files(qkv) and ckpt_file in backing_files(gate_up)) == (file_mapping == "1")
 
     with torch.no_grad():
         for p in model.parameters():
@@ -319,7 +307,7 @@ def test_fused_targets_are_lazy_private_file_views_and_survive_a_save_over_their
     assert torch.equal(torch.cat([split.q_proj.weight, split.k_proj.weight, split.v_proj.weight]), qkv)
 
 
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps (Linux)")
+@needs_proc_maps
 def test_moe_expert_merges_run_through_modelgraft_are_file_backed_too(tmp_path):
     """A graft's entry for qwen2_moe carries transformers' expert merge (stack, then gate|up join);
     that is a row rearrangement, so the merged experts are mapped from the file like fused QKV."""
@@ -336,7 +324,7 @@ def test_moe_expert_merges_run_through_modelgraft_are_file_backed_too(tmp_path):
     with graft.applied(strict=True):
         grafted = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     experts = grafted.model.layers[0].mlp.experts
-    assert str(tmp_path / "model.safetensors") in _file_backed(experts.gate_up_proj)
+    assert str(tmp_path / "model.safetensors") in backing_files(experts.gate_up_proj)
     assert torch.equal(experts.gate_up_proj, plain.model.layers[0].mlp.experts.gate_up_proj)
     ids = torch.randint(0, 100, (2, 7))
     with torch.no_grad():

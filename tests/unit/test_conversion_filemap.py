@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _file_backing import backing_files, mapped_anywhere, needs_proc_maps
 from modelgraft.conversion import _filemap
 from modelgraft.conversion._filemap import map_ranges
 
@@ -29,22 +30,7 @@ def _blob(path: Path, nbytes: int, seed: int = 0) -> bytes:
     return raw
 
 
-def _mapped_files(tensor: torch.Tensor) -> set[str]:
-    """The files backing the pages of ``tensor`` (from /proc/self/maps; Linux only)."""
-    start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.untyped_storage().nbytes()
-    files = set()
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split(maxsplit=5)
-        lo, hi = (int(x, 16) for x in fields[0].split("-"))
-        if lo < end and hi > start and len(fields) == 6:
-            files.add(fields[5])
-    return files
-
-
-linux_only = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps (Linux)")
-
-
-@linux_only
+@needs_proc_maps
 def test_aligned_ranges_are_file_backed_and_hold_the_concatenated_bytes(tmp_path):
     data = _blob(tmp_path / "w.bin", 16 * PAGE)
     ranges = [(str(tmp_path / "w.bin"), 8 * PAGE + 24, 4 * PAGE), (str(tmp_path / "w.bin"), 24, 2 * PAGE)]
@@ -53,7 +39,7 @@ def test_aligned_ranges_are_file_backed_and_hold_the_concatenated_bytes(tmp_path
     assert (
         bytes(t.view(torch.uint8).numpy()) == data[8 * PAGE + 24 : 12 * PAGE + 24] + data[24 : 2 * PAGE + 24]
     )
-    assert str(tmp_path / "w.bin") in _mapped_files(t)
+    assert str(tmp_path / "w.bin") in backing_files(t)
 
 
 def test_ranges_whose_offsets_disagree_are_read_instead_and_still_exact(tmp_path):
@@ -102,7 +88,7 @@ def test_writes_stay_private_and_the_file_can_be_replaced(tmp_path):
     assert bytes(t[: PAGE * 2].numpy()) == b"\x07" * (2 * PAGE)
 
 
-@linux_only
+@needs_proc_maps
 def test_the_mappings_go_with_the_tensor(tmp_path):
     path = tmp_path / "w.bin"
     _blob(path, 8 * PAGE)
@@ -113,11 +99,11 @@ def test_the_mappings_go_with_the_tensor(tmp_path):
     p = torch.nn.Parameter(t)
     del t
     gc.collect()
-    assert str(path) in _mapped_files(p)
+    assert str(path) in backing_files(p)
     del p
     gc.collect()
     assert _filemap._live == before
-    assert str(path) not in Path("/proc/self/maps").read_text()
+    assert not mapped_anywhere(path)
 
 
 def test_disabled_by_environment_variable(tmp_path, monkeypatch):
