@@ -41,6 +41,7 @@ from safetensors.torch import load_file
 from transformers import PretrainedConfig
 
 from modelgraft._target import model_class_for, resolve_config
+from modelgraft.hooks import unpatched
 from modelgraft.report import report
 
 __all__ = ["Check", "VerifyReport", "verify"]
@@ -282,8 +283,6 @@ def _plain_model(
         checkpoint = work / "original"
         plain.save_pretrained(checkpoint)
         return plain, checkpoint
-    from modelgraft import unpatched
-
     with unpatched():  # a plain reference even while grafts are registered globally
         plain = cls.from_pretrained(checkpoint, dtype=torch.float32).eval()
     return plain, checkpoint
@@ -428,8 +427,6 @@ def _check_roundtrip(
             )
         same = f"{len(original)} checkpoint tensors written back bit-identical"
     try:
-        from modelgraft import unpatched
-
         with unpatched():
             reloaded = cls.from_pretrained(resaved, dtype=torch.float32)
     except Exception as exc:
