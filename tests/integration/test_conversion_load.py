@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from _file_backing import backing_files, needs_proc_maps
 from modelgraft import Concatenate, WeightConverter, _compat, patched, report
+from modelgraft.testing import tiny_config
 
 #: One row per family: tiny config overrides and the attention class the fused QKV replaces.
 FAMILIES = {
@@ -184,30 +185,13 @@ def test_a_plain_load_ignores_a_registered_conversion(tmp_path):
     torch.testing.assert_close(model.eval()(X).logits, plain(X).logits, atol=0, rtol=0)
 
 
-def _tiny_llava_config():
-    text = {**TINY, "model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2}
-    vision = dict(
-        model_type="clip_vision_model",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        image_size=16,
-        patch_size=8,
-        projection_dim=32,
-    )
-    return AutoConfig.for_model(
-        "llava", text_config=text, vision_config=vision, image_token_index=127, vocab_size=128
-    )
-
-
 def test_composite_model_resolves_the_entry_per_sub_model(tmp_path):
     from transformers import AutoModelForImageTextToText
 
     from modelgraft.conversion.load import resolve_scopes
 
     torch.manual_seed(0)
-    plain = AutoModelForImageTextToText.from_config(_tiny_llava_config()).eval()
+    plain = AutoModelForImageTextToText.from_config(tiny_config("llava")).eval()
     plain.save_pretrained(tmp_path / "src")
     # transformers writes llava's legacy layout (`language_model.model.*`); the converter must see through it.
     assert "language_model.model.layers.0.self_attn.q_proj.weight" in _checkpoint_tensors(tmp_path / "src")
@@ -312,7 +296,6 @@ def test_moe_expert_merges_run_through_modelgraft_are_file_backed_too(tmp_path):
     """A graft's entry for qwen2_moe carries transformers' expert merge (stack, then gate|up join);
     that is a row rearrangement, so the merged experts are mapped from the file like fused QKV."""
     from modelgraft.grafts import fused_qkv
-    from modelgraft.testing import tiny_config
 
     if not _compat.IS_V5:
         pytest.skip("transformers 4.57 keeps per-expert layers: there is no expert merge to run")

@@ -12,7 +12,6 @@ from transformers import (
     AutoModelForImageTextToText,
     LlamaForCausalLM,
     LlamaModel,
-    LlavaConfig,
     LlavaForConditionalGeneration,
 )
 from transformers.models.clip.modeling_clip import CLIPAttention
@@ -105,21 +104,6 @@ def test_every_load_path_is_patched_with_one_swap(loader: str, tiny_llama_dir: P
     assert {r.key for r in report(model).replaced} == {"LlamaAttention"}
 
 
-def _tiny_llava_config() -> LlavaConfig:
-    text = {"model_type": "llama", **family("llama").config().to_diff_dict()}
-    vision = dict(
-        model_type="clip_vision_model",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=32,
-        patch_size=8,
-        projection_dim=32,
-    )
-    return LlavaConfig(text_config=text, vision_config=vision, image_token_index=3, vision_feature_layer=-1)
-
-
 def _check_llava(model: torch.nn.Module) -> None:
     types = [type(m) for m in model.modules() if isinstance(m, (LlamaAttention, CLIPAttention))]
     assert types.count(CustomAttention) == 2 and types.count(CustomClipAttention) == 2, types
@@ -132,7 +116,7 @@ def test_composite_model_is_patched_with_a_single_scan(tmp_path: Path) -> None:
     mapping = {"LlamaAttention": CustomAttention, "CLIPAttention": CustomClipAttention}
     with patched(mapping):
         swaps, scans = swap.STATS["swaps"], swap.STATS["scans"]
-        model = LlavaForConditionalGeneration._from_config(_tiny_llava_config())
+        model = LlavaForConditionalGeneration._from_config(family("llava").config())
         assert swap.STATS["swaps"] - swaps == 1  # the nested _from_config calls joined the outer load
         assert swap.STATS["scans"] - scans <= 1
         _check_llava(model)
