@@ -14,15 +14,23 @@ Example:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import transformers
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from modelgraft.errors import GraftError
 
-__all__ = ["TargetError", "import_object", "model_class_for", "resolve_config"]
+__all__ = [
+    "TargetError",
+    "ensure_model_class",
+    "import_object",
+    "looks_like_path",
+    "model_class_for",
+    "resolve_config",
+]
 
 
 class TargetError(GraftError, ValueError):
@@ -46,10 +54,15 @@ def resolve_config(target: str | Path | PretrainedConfig) -> tuple[PretrainedCon
                 f"`{path}` is a folder without a `config.json`; expected a checkpoint folder "
                 "written by `save_pretrained` (or pass a model type such as `llama`)."
             )
-        config = AutoConfig.from_pretrained(str(path))
+        config = _read_config(path / "config.json", lambda: AutoConfig.from_pretrained(str(path)))
         has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
         return config, path if has_weights else None
     name = str(target)
+    if isinstance(target, Path) or looks_like_path(name):
+        raise TargetError(
+            f"`{name}` does not exist; expected a checkpoint folder, a `config.json` file, or a model "
+            "type such as `llama` (only local paths are read)."
+        )
     if name in CONFIG_MAPPING:
         return AutoConfig.for_model(name), None
     raise TargetError(
@@ -70,7 +83,29 @@ def _config_from_json(path: Path) -> PretrainedConfig:
             f"`{path}` has model_type `{model_type}`; expected one known to transformers "
             f"{transformers.__version__} (for example `llama`)."
         )
-    return AutoConfig.for_model(model_type, **data)
+    return _read_config(path, lambda: AutoConfig.for_model(model_type, **data))
+
+
+def looks_like_path(name: str) -> bool:
+    """True for a name no model type has: one with a path separator, a leading ``.``/``~``, or ``.json``.
+
+    Example:
+        >>> looks_like_path("./ckpt"), looks_like_path("xlm-roberta")
+        (True, False)
+    """
+    return "/" in name or "\\" in name or name.startswith((".", "~")) or name.endswith(".json")
+
+
+def _read_config(path: Path, read: Callable[[], PretrainedConfig]) -> PretrainedConfig:
+    # transformers validates values as it builds the config (a strict dataclass on 5.x, the config's
+    # __init__ on 4.57): what it raises for a bad value differs by line, so it is reported as ours.
+    try:
+        return read()
+    except Exception as exc:
+        raise TargetError(
+            f"`{path}` is not a valid transformers config: {type(exc).__name__}: {str(exc).rstrip('.')}; "
+            "fix the config's values (or pass a model type such as `llama`)."
+        ) from exc
 
 
 def model_class_for(config: PretrainedConfig) -> type:
@@ -84,10 +119,18 @@ def model_class_for(config: PretrainedConfig) -> type:
         >>> model_class_for(BertConfig()).__name__
         'BertForMaskedLM'
     """
-    for name in config.architectures or ():
-        cls = getattr(transformers, name, None)
-        if isinstance(cls, type):
-            return cls
+    architectures = config.architectures
+    if architectures is not None and (
+        not isinstance(architectures, list | tuple) or not all(isinstance(a, str) for a in architectures)
+    ):
+        raise TargetError(
+            f"The config's `architectures` is `{architectures!r}`; expected a list of class names such "
+            'as `["LlamaForCausalLM"]`.'
+        )
+    for name in architectures or ():
+        found = getattr(transformers, name, None)
+        if found is not None:  # a name this transformers lacks (remote code) falls back to the auto classes
+            return ensure_model_class(found, f"`{name}` (named in the config's `architectures`)")
     autos = [
         transformers.AutoModelForCausalLM,
         transformers.AutoModelForImageTextToText,
@@ -106,6 +149,26 @@ def model_class_for(config: PretrainedConfig) -> type:
         f"No model class of transformers {transformers.__version__} builds config "
         f"`{type(config).__name__}`; expected a config with `architectures` or one that "
         "`AutoModel` knows."
+    )
+
+
+def ensure_model_class(obj: object, what: str) -> type[PreTrainedModel]:
+    """Return ``obj`` if it is a transformers model class, else refuse it: only models are ever built.
+
+    Example:
+        >>> ensure_model_class(transformers.LlamaForCausalLM, "it").__name__
+        'LlamaForCausalLM'
+        >>> ensure_model_class(transformers.Trainer, "`Trainer`")
+        Traceback (most recent call last):
+        ...
+        modelgraft._target.TargetError: `Trainer` is a class `Trainer`, not a transformers model class (a `PreTrainedModel` subclass); only model classes are built, such as `LlamaForCausalLM`.
+    """
+    if isinstance(obj, type) and issubclass(obj, PreTrainedModel):
+        return obj
+    kind = f"class `{obj.__name__}`" if isinstance(obj, type) else f"`{type(obj).__name__}`"
+    raise TargetError(
+        f"{what} is a {kind}, not a transformers model class (a `PreTrainedModel` subclass); only model "
+        "classes are built, such as `LlamaForCausalLM`."
     )
 
 

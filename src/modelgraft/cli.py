@@ -1,7 +1,9 @@
 """The ``modelgraft`` command line: ``inspect``, ``explain`` and ``verify``.
 
 Every command takes ``--json`` (one JSON document on stdout). Exit codes: 0 success, 1 a
-check failed, 2 the command could not run (bad target, bad key, import error).
+``verify`` check failed, 2 the command could not run (usage error, bad target or config, bad key,
+import error): then one line says why, ``{"error": "..."}`` on stdout under ``--json``, else on
+stderr; never a traceback.
 
 Example:
     >>> from modelgraft.cli import main
@@ -22,7 +24,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NoReturn, TextIO
 
 import torch
 
@@ -44,8 +46,13 @@ _GIVEN = f"{_GivenKey.__module__}.{_GivenKey.__qualname__}"
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
-    parser = _parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    json_mode = "--json" in argv  # known before parsing, so that usage errors are JSON too
+    stdout = sys.stdout
+    try:
+        args = _parser().parse_args(argv)
+    except _UsageError as exc:
+        return _refuse(exc.prog, json_mode, f"UsageError: {exc}" if json_mode else str(exc), stdout)
     from transformers.utils import logging as hf_logging
 
     # Progress bars and load warnings would interleave with the tables (and break --json on stdout
@@ -53,26 +60,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    args.out = stdout
     try:
-        overlay = args.command != "verify"  # verify builds its own plain and grafted models
-        target = getattr(args, "target", None)
-        model_type = _model_type_of(target) if overlay and target and args.graft else None
-        with _extra_keys(args.key or [] if overlay else [], args.graft or [] if overlay else [], model_type):
-            return int(args.run(args))
-    except (GraftError, OSError, ValueError, TypeError) as exc:
-        if args.json:
-            print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
-        else:
-            print(f"modelgraft {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        # Under --json, stdout holds the one JSON document: whatever else prints (a graft module
+        # at import, a library) goes to stderr.
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            overlay = args.command != "verify"  # verify builds its own plain and grafted models
+            target = getattr(args, "target", None)
+            model_type = _model_type_of(target) if overlay and target and args.graft else None
+            keys, grafts = (args.key or [], args.graft or []) if overlay else ([], [])
+            with _extra_keys(keys, grafts, model_type):
+                return int(args.run(args))
+    except Exception as exc:  # a command that cannot run says why in one line: exit 2, never a traceback
+        text = str(exc) if isinstance(exc, GraftError) and not args.json else f"{type(exc).__name__}: {exc}"
+        return _refuse(f"modelgraft {args.command}", args.json, text, stdout)
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
 
 
+class _UsageError(Exception):
+    """What argparse would print before exiting with 2; raised instead, so that main() formats it."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(f"{message} (see `{prog} --help`)")
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser that raises :class:`_UsageError` instead of printing usage and exiting."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # No abbreviations: `--js` must not silently mean `--json` (and --json is spotted in argv).
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(self.prog, message)
+
+
+def _refuse(prog: str, json_mode: bool, message: str, stdout: TextIO) -> int:
+    """Print why the command could not run as one line (JSON on stdout under --json) and return 2."""
+    line = " ".join(message.split())  # transformers' messages span lines; ours stays one
+    if json_mode:
+        print(json.dumps({"error": line}), file=stdout)
+    else:
+        print(f"{prog}: error: {line}", file=sys.stderr)
+    return 2
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="modelgraft",
         description="Inspect architectures, explain patch keys, verify grafts of transformers models.",
     )
@@ -119,7 +158,12 @@ def _parser() -> argparse.ArgumentParser:
     p_verify.add_argument(
         "--graft", action="append", metavar="PKG.MODULE:NAME", help="graft bundle(s) to verify"
     )
-    p_verify.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5)")
+    p_verify.add_argument(
+        "--atol", type=float, default=1e-5, help="absolute tolerance, finite and >= 0 (default 1e-5)"
+    )
+    p_verify.add_argument(
+        "--rtol", type=float, default=0.0, help="relative tolerance, finite and >= 0 (default 0)"
+    )
     p_verify.add_argument("--seed", type=int, default=0, help="seed for the tiny checkpoint and inputs")
     p_verify.set_defaults(run=_cmd_verify, key=None)
     return parser
@@ -153,13 +197,17 @@ def _load_graft(ref: str, model_type: str | None = None) -> Any:
     A factory (``modelgraft.grafts:fused_qkv``) is called with the target's model type when there is
     one (and it accepts it), else with no arguments (all its families).
     """
-    obj = import_object(ref)
+    with _reported(f"Could not import `{ref}`"):
+        obj = import_object(ref)
     if not hasattr(obj, "mapping") and callable(obj) and not isinstance(obj, type):
         made = None
         if model_type is not None:
             with contextlib.suppress(GraftError, ValueError, TypeError):
                 made = obj(model_type)
-        obj = made if made is not None else obj()
+        if made is None:
+            with _reported(f"`{ref}` failed when called with no arguments"):
+                made = obj()
+        obj = made
     if isinstance(obj, dict):
         return SimpleNamespace(mapping=obj, conversions=None)
     if not isinstance(getattr(obj, "mapping", None), dict):
@@ -168,6 +216,17 @@ def _load_graft(ref: str, model_type: str | None = None) -> Any:
             "`.conversions`), a function returning one, or a mapping dict of key -> nn.Module subclass."
         )
     return obj
+
+
+@contextlib.contextmanager
+def _reported(what: str) -> Iterator[None]:
+    """Turn anything user code raises (even ``SystemExit``) into a :class:`TargetError` saying ``what``."""
+    try:
+        yield
+    except TargetError:
+        raise
+    except (Exception, SystemExit) as exc:
+        raise TargetError(f"{what}: {type(exc).__name__}: {str(exc).rstrip('.')}.") from exc
 
 
 def _key_candidates(class_name: str) -> dict[str, Any]:
@@ -218,8 +277,14 @@ def inspect_architecture(target: str) -> dict[str, Any]:
     model_cls = model_class_for(config)
     # Meta tensors have shapes but no storage, so even a 70B config builds in a fraction of a second;
     # a plain constructor call (not from_config) keeps registered patches out of what we describe.
-    with _compat.meta_device():
-        model = model_cls(config)
+    try:
+        with _compat.meta_device():
+            model = model_cls(config)
+    except Exception as exc:
+        raise TargetError(
+            f"`{model_cls.__name__}` could not be built from the config of `{target}`: "
+            f"{type(exc).__name__}: {str(exc).rstrip('.')}; check the config's values."
+        ) from exc
     classes: dict[type, dict[str, Any]] = {}
     for path, module in model.named_modules():
         entry = classes.get(type(module))
@@ -277,7 +342,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     _run_imports(args.imports)
     info = inspect_architecture(args.target)
     if args.json:
-        print(json.dumps(info, indent=2))
+        _print_json(args, info)
         return 0
     print(
         f"{info['target']}: {info['model_class']} ({info['config_class']}), "
@@ -312,7 +377,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     _run_imports(args.imports)
     info = {"class": args.class_name, **_key_candidates(args.class_name)}
     if args.json:
-        print(json.dumps(info, indent=2))
+        _print_json(args, info)
         return 0
     winner = info["winner"]
     if winner is None:
@@ -339,9 +404,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     _run_imports(args.imports)
     bundles = [_load_graft(ref, _model_type_of(args.target)) for ref in args.graft or ()]
-    result = verify(args.target, graft=bundles or None, atol=args.atol, seed=args.seed)
+    result = verify(args.target, graft=bundles or None, atol=args.atol, rtol=args.rtol, seed=args.seed)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        _print_json(args, result.to_dict())
     else:
         print(result.format_table())
     return 0 if result.passed else 1
@@ -354,7 +419,7 @@ def _model_type_of(target: str) -> str | None:
     """The model type a target names (a model type itself, or a folder's / config file's)."""
     try:
         config, _ = resolve_config(target)
-    except (GraftError, OSError, ValueError):
+    except Exception:
         return None  # reported by the command itself
     return getattr(config, "model_type", None)
 
@@ -363,10 +428,13 @@ def _run_imports(modules: list[str]) -> None:
     import importlib
 
     for name in modules:
-        try:
+        with _reported(f"Could not import `{name}` (from --import)"):
             importlib.import_module(name)
-        except ImportError as exc:
-            raise TargetError(f"Could not import `{name}` (from --import): {exc}.") from exc
+
+
+def _print_json(args: argparse.Namespace, data: dict[str, Any]) -> None:
+    # allow_nan=False: a NaN would make the document invalid JSON; better the error of exit code 2
+    print(json.dumps(data, indent=2, allow_nan=False), file=args.out)
 
 
 def _print_table(rows: list[tuple[str, ...]]) -> None:

@@ -10,11 +10,15 @@ fails with the reason):
     what the load reports, the grafted model is loaded a second time under another seed; a
     parameter that differs between the two loads was initialised, not loaded.
 ``logits_match`` / ``hidden_states_match``
-    the same input through the plain and the grafted model gives the same logits and hidden
-    states within ``atol`` (fp32 by default).
+    the same input through the plain and the grafted model gives logits and hidden states of the
+    same shape and dtype, all finite, within ``atol + rtol * |plain|`` (fp32). A NaN or inf in the
+    grafted outputs fails and is named; so does one in the plain outputs (a non-finite reference
+    hides any difference, so nothing can be vouched for there).
 ``save_roundtrip``
     ``save_pretrained`` of the grafted model writes the original checkpoint again: the same keys
     with bit-identical tensors, and a plain transformers load of it gives the plain model's tensors.
+
+Weights are compared bit for bit (a NaN weight equals itself, ``-0.0`` differs from ``0.0``).
 
 The target is a model type (a tiny config from :func:`modelgraft.testing.tiny_config` and a
 temporary checkpoint, all offline), a config, or a local checkpoint folder.
@@ -30,6 +34,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -40,11 +46,24 @@ import torch
 from safetensors.torch import load_file
 from transformers import PretrainedConfig
 
-from modelgraft._target import model_class_for, resolve_config
+from modelgraft._compare import compare_outputs, few, same_bits
+from modelgraft._target import (
+    TargetError,
+    ensure_model_class,
+    looks_like_path,
+    model_class_for,
+    resolve_config,
+)
+from modelgraft.errors import GraftError
 from modelgraft.hooks import unpatched
 from modelgraft.report import report
 
-__all__ = ["Check", "VerifyReport", "verify"]
+__all__ = ["Check", "VerifyArgumentError", "VerifyReport", "verify"]
+
+
+class VerifyArgumentError(GraftError, ValueError):
+    """An argument of :func:`verify` is out of range: a tolerance that is negative or not finite, a bad seed."""
+
 
 CHECKS = ("builds", "all_weights_loaded", "logits_match", "hidden_states_match", "save_roundtrip")
 
@@ -132,21 +151,40 @@ def verify(
         graft: a ready-made graft (anything with ``.mapping`` and ``.conversions``) or a list of
             them, added to ``mapping``/``conversions``. With no mapping, conversions or graft, the
             globally registered patches are verified.
-        atol: absolute tolerance of the output comparisons.
-        rtol: relative tolerance of the output comparisons.
-        seed: seed of the tiny checkpoint's weights and of the input ids.
-        model_class: the class to load (default: the config's architecture, else its causal LM).
+        atol: absolute tolerance of the output comparisons (a finite number >= 0; 0 asks for
+            bit-identical outputs).
+        rtol: relative tolerance of the output comparisons (a finite number >= 0).
+        seed: seed of the tiny checkpoint's weights and of the input ids (an int >= 0).
+        model_class: the class to load, a ``PreTrainedModel`` subclass (default: the config's
+            architecture, else its causal LM).
         workdir: where to write checkpoints (default: a temporary folder, removed afterwards).
 
     Returns:
         A :class:`VerifyReport`; ``report.passed`` is True when every check passed.
+
+    Raises:
+        VerifyArgumentError: a tolerance that is negative or not finite (NaN would pass anything),
+            or a seed that is not an int >= 0.
+        TargetError: a target that does not exist or cannot be read, a model class that is not a
+            ``PreTrainedModel`` subclass, or a plain model that cannot be built from the target.
+        GraftError: a graft whose keys or replacements are invalid (nothing is registered).
     """
+    atol, rtol = _tolerance("atol", atol), _tolerance("rtol", rtol)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise VerifyArgumentError(f"`seed` must be an int >= 0; received `{seed!r}`.")
     if mapping is not None and not isinstance(mapping, Mapping) and hasattr(mapping, "mapping"):
         graft = [mapping, *(() if graft is None else graft if isinstance(graft, list | tuple) else [graft])]
         mapping = None  # a ready-made graft passed in the mapping's place
     mapping, conversions = _merge_grafts(mapping, conversions, graft)
+    with _grafting(mapping, conversions):
+        pass  # an invalid key or replacement is an error of the call, not a failed check
     config, checkpoint = _resolve(target)
-    cls = model_class or model_class_for(config)
+    if model_class is not None:
+        cls = ensure_model_class(
+            model_class, f"`model_class` `{getattr(model_class, '__name__', model_class)}`"
+        )
+    else:
+        cls = model_class_for(config)
     result = VerifyReport(str(getattr(target, "model_type", target)), cls.__name__)
     with _workdir(workdir) as work, _quiet():
         _run(result, cls, config, checkpoint, work, mapping, conversions, atol, rtol, seed)
@@ -154,6 +192,21 @@ def verify(
 
 
 # ---- inputs ---------------------------------------------------------------------------------------
+def _tolerance(name: str, value: object) -> float:
+    # `diff > nan` is never true and `diff > inf` neither: such a tolerance would pass anything.
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise VerifyArgumentError(
+            f"`{name}` must be a finite number >= 0; received `{value!r}`. A NaN or infinite tolerance "
+            "would pass any output; use 0 to ask for bit-identical outputs."
+        )
+    return float(value)
+
+
 def _merge_grafts(
     mapping: Mapping[str, type[torch.nn.Module]] | None,
     conversions: Mapping[str, Sequence[Any]] | None,
@@ -177,7 +230,7 @@ def _merge_grafts(
 
 
 def _resolve(target: str | Path | PretrainedConfig) -> tuple[PretrainedConfig, Path | None]:
-    if isinstance(target, str) and not Path(target).expanduser().exists():
+    if isinstance(target, str) and not looks_like_path(target) and not Path(target).expanduser().exists():
         from modelgraft.testing import tiny_config
 
         return tiny_config(target), None
@@ -235,11 +288,11 @@ def _run(
     checks = result.checks
     try:
         plain, checkpoint = _plain_model(cls, config, checkpoint, work, seed)
-    except Exception as exc:
-        checks.append(
-            Check("builds", False, f"the plain model could not be built: {type(exc).__name__}: {exc}")
-        )
-        return _skip_rest(checks, "the plain model could not be built")
+    except Exception as exc:  # the target itself is unusable: nothing about the graft can be said
+        raise TargetError(
+            f"The plain `{cls.__name__}` could not be built from `{result.target}`: "
+            f"{type(exc).__name__}: {str(exc).rstrip('.')}; check the config's values and the checkpoint's files."
+        ) from exc
 
     try:
         with _grafting(mapping, conversions):
@@ -307,25 +360,20 @@ def _check_loaded(grafted: torch.nn.Module, second: torch.nn.Module, info: dict 
     problems: list[str] = []
     missing = sorted((info or {}).get("missing_keys", ()))
     if missing:
-        problems.append(f"missing from the checkpoint: {_few(missing)}")
+        problems.append(f"missing from the checkpoint: {few(missing)}")
     if rep.unloaded_parameters:
-        problems.append(f"uninitialised: {_few(rep.unloaded_parameters)}")
+        problems.append(f"uninitialised: {few(rep.unloaded_parameters)}")
     dropped = sorted(k for keys in rep.dropped_checkpoint_keys.values() for k in keys)
     if dropped:
-        problems.append(f"checkpoint keys nothing took: {_few(dropped)}")
+        problems.append(f"checkpoint keys nothing took: {few(dropped)}")
     other = dict(second.named_parameters())
-    differing = [n for n, p in grafted.named_parameters() if n in other and not torch.equal(p, other[n])]
+    differing = [n for n, p in grafted.named_parameters() if n in other and not same_bits(p, other[n])]
     if differing:
-        problems.append(f"differ between two loads (random init): {_few(differing)}")
+        problems.append(f"differ between two loads (random init): {few(differing)}")
     total = sum(1 for _ in grafted.parameters())
     if problems:
         return Check("all_weights_loaded", False, "; ".join(problems))
     return Check("all_weights_loaded", True, f"{total} parameters loaded, identical across two loads")
-
-
-def _few(names: Sequence[str], n: int = 4) -> str:
-    shown = ", ".join(f"`{x}`" for x in names[:n])
-    return shown + (f" (+{len(names) - n} more)" if len(names) > n else "")
 
 
 def _check_outputs(
@@ -349,55 +397,46 @@ def _check_outputs(
     except Exception as exc:
         why = f"forward failed: {type(exc).__name__}: {exc}"
         return [Check("logits_match", False, why), Check("hidden_states_match", False, why)]
-    ref_logits = _first(ref, "logits", "last_hidden_state")
-    logits = _first(out, "logits", "last_hidden_state")
-    checks = [_compare("logits_match", [ref_logits], [logits], atol, rtol)]
+    label, ref_logits = _first(ref, "logits", "last_hidden_state")
+    logits = getattr(out, label, None) if label != "output[0]" else out[0]
+    checks = [Check("logits_match", *compare_outputs([label], [ref_logits], [logits], atol, rtol))]
     ref_hidden, hidden = _hidden_states(ref), _hidden_states(out)
-    if not ref_hidden or not hidden:
+    if not ref_hidden and not hidden:
         checks.append(
             Check("hidden_states_match", True, "the model returns no hidden states; nothing to compare")
         )
+    elif [n for n, _ in ref_hidden] != [n for n, _ in hidden]:
+        checks.append(
+            Check(
+                "hidden_states_match",
+                False,
+                f"expected {len(ref_hidden)} hidden states, received {len(hidden)}"
+                + ("" if len(ref_hidden) != len(hidden) else f": {few([n for n, _ in hidden])}"),
+            )
+        )
     else:
-        checks.append(_compare("hidden_states_match", ref_hidden, hidden, atol, rtol))
+        names = [n for n, _ in ref_hidden]
+        compared = compare_outputs(names, [t for _, t in ref_hidden], [t for _, t in hidden], atol, rtol)
+        checks.append(Check("hidden_states_match", *compared))
     return checks
 
 
-def _hidden_states(output: Any) -> list[torch.Tensor]:
-    """Every hidden state of a decoder or encoder output; encoder then decoder for seq2seq models."""
-    found: list[torch.Tensor] = []
+def _hidden_states(output: Any) -> list[tuple[str, Any]]:
+    """``(name, value)`` of every hidden state of an output; encoder then decoder for seq2seq models."""
+    found: list[tuple[str, Any]] = []
     for name in ("hidden_states", "encoder_hidden_states", "decoder_hidden_states"):
         value = getattr(output, name, None)
         if isinstance(value, tuple | list):
-            found.extend(t for t in value if isinstance(t, torch.Tensor))
+            found.extend((f"{name}[{i}]", t) for i, t in enumerate(value))
     return found
 
 
-def _first(output: Any, *names: str) -> torch.Tensor:
+def _first(output: Any, *names: str) -> tuple[str, Any]:
     for name in names:
         value = getattr(output, name, None)
         if isinstance(value, torch.Tensor):
-            return value
-    return output[0]
-
-
-def _compare(name: str, ref: list[torch.Tensor], got: list[torch.Tensor], atol: float, rtol: float) -> Check:
-    if len(ref) != len(got):
-        return Check(name, False, f"expected {len(ref)} tensors, received {len(got)}")
-    worst, bad = 0.0, []
-    for i, (a, b) in enumerate(zip(ref, got)):
-        if a.shape != b.shape:
-            return Check(
-                name, False, f"tensor {i}: expected shape {tuple(a.shape)}, received {tuple(b.shape)}"
-            )
-        diff = (a.float() - b.float()).abs()
-        worst = max(worst, diff.max().item())
-        if bool((diff > atol + rtol * a.float().abs()).any()):
-            bad.append(i)
-    what = f"{len(ref)} tensors" if len(ref) > 1 else f"shape {tuple(ref[0].shape)}"
-    detail = f"max |diff| {worst:.2e} over {what} (atol {atol:g}" + (f", rtol {rtol:g})" if rtol else ")")
-    if bad:
-        return Check(name, False, detail + (f"; out of tolerance: tensors {bad}" if len(ref) > 1 else ""))
-    return Check(name, True, detail)
+            return name, value
+    return "output[0]", output[0]
 
 
 def _check_roundtrip(
@@ -414,16 +453,16 @@ def _check_roundtrip(
         same = "the checkpoint has no safetensors files to compare byte for byte"
     elif set(original) != set(written):
         lost, extra = sorted(set(original) - set(written)), sorted(set(written) - set(original))
-        parts = [f"missing {_few(lost)}" if lost else "", f"unexpected {_few(extra)}" if extra else ""]
+        parts = [f"missing {few(lost)}" if lost else "", f"unexpected {few(extra)}" if extra else ""]
         return Check(
             name, False, "saved keys differ from the checkpoint's: " + "; ".join(p for p in parts if p)
         )
     else:
         # A checkpoint stored in another dtype was loaded as fp32; cast back before comparing bits.
-        changed = [k for k, t in original.items() if not torch.equal(written[k].to(t.dtype), t)]
+        changed = [k for k, t in original.items() if not same_bits(written[k].to(t.dtype), t)]
         if changed:
             return Check(
-                name, False, f"{len(changed)} saved tensors differ from the checkpoint: {_few(changed)}"
+                name, False, f"{len(changed)} saved tensors differ from the checkpoint: {few(changed)}"
             )
         same = f"{len(original)} checkpoint tensors written back bit-identical"
     try:
@@ -434,9 +473,9 @@ def _check_roundtrip(
             name, False, f"plain transformers could not load the saved model: {type(exc).__name__}: {exc}"
         )
     expected, got = plain.state_dict(), reloaded.state_dict()
-    differ = sorted(k for k in expected if k not in got or not torch.equal(expected[k], got[k]))
+    differ = sorted(k for k in expected if k not in got or not same_bits(expected[k], got[k]))
     if differ or set(got) - set(expected):
-        return Check(name, False, f"plain reload differs from the plain model: {_few(differ or sorted(got))}")
+        return Check(name, False, f"plain reload differs from the plain model: {few(differ or sorted(got))}")
     return Check(name, True, same + "; plain reload equals the plain model")
 
 

@@ -130,3 +130,284 @@ def test_verify_failure_exits_1(
     assert code == 1
     verdicts = {c["name"]: c["passed"] for c in json.loads(out)["checks"]}
     assert verdicts["logits_match"] is False and verdicts["builds"] is True
+
+
+# ---- bad input: exit 2, one line, valid JSON under --json, never a traceback (issue 10, item 14) ---------
+
+
+def _assert_refused(code: int, out: str, err: str, json_mode: bool, match: str) -> str:
+    """Exit code 2 and exactly one line saying why: a JSON object on stdout, or text on stderr."""
+    assert code == 2, (out, err)
+    assert "Traceback" not in out + err
+    if json_mode:
+        assert out.endswith("\n") and out.count("\n") == 1, out
+        message = json.loads(out)["error"]
+    else:
+        assert out == ""
+        assert err.endswith("\n") and err.count("\n") == 1, err
+        message = err
+        assert message.startswith("modelgraft")
+    assert re.search(match, message), message
+    return message
+
+
+def _tiny_folder(folder: Path, **edits: object) -> Path:
+    """A folder holding only a config.json: the tiny llama config with ``edits`` applied (None removes)."""
+    from modelgraft.testing import tiny_config
+
+    data = tiny_config("llama").to_dict()
+    for key, value in edits.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(data))
+    return folder
+
+
+def _bad_targets(root: Path) -> dict[str, tuple[Path, str]]:
+    """name -> (target, pattern its error message matches)."""
+    (root / "no-config").mkdir(parents=True)
+    (root / "malformed").mkdir()
+    (root / "malformed" / "config.json").write_text('{"model_type": "llama", ')
+    (root / "file.json").write_text('{"model_type": "llama", "hidden_size": ')
+    not_model = r"not a transformers model class \(a `PreTrainedModel` subclass\)"
+    # the config loads but the model cannot be built from it (where depends on the transformers line)
+    unbuildable = (
+        r"`(LlamaForCausalLM|BertForMaskedLM)` could not be built|is not a valid transformers config"
+    )
+    return {
+        "missing": (root / "does" / "not" / "exist", r"`[^`]*does/not/exist` does not exist"),
+        "no-config": (root / "no-config", r"folder without a `config.json`"),
+        "malformed-json": (root / "malformed", r"config"),
+        "malformed-json-file": (root / "file.json", r"not a readable JSON config"),
+        # 5.x validates config values when it reads them, 4.57 only when the model is built
+        "string-value": (_tiny_folder(root / "str", hidden_size="abc"), unbuildable),
+        "zero-heads": (_tiny_folder(root / "zero", num_attention_heads=0), unbuildable),
+        "negative-vocab": (_tiny_folder(root / "neg", vocab_size=-5), unbuildable),
+        "other-family": (_tiny_folder(root / "other", architectures=["BertForMaskedLM"]), unbuildable),
+        "unknown-model-type": (_tiny_folder(root / "unk", model_type="no_such_type"), r"no_such_type"),
+        "no-model-type": (_tiny_folder(root / "nomt", model_type=None), r"model_type"),
+        "trainer": (_tiny_folder(root / "tr", architectures=["Trainer"]), rf"`Trainer`.*{not_model}"),
+        "tokenizer": (
+            _tiny_folder(root / "tok", architectures=["AutoTokenizer"]),
+            rf"`AutoTokenizer`.*{not_model}",
+        ),
+        "auto-class": (
+            _tiny_folder(root / "auto", architectures=["AutoModel"]),
+            rf"`AutoModel`.*{not_model}",
+        ),
+        "function": (_tiny_folder(root / "fn", architectures=["pipeline"]), rf"`pipeline`.*{not_model}"),
+        "dunder": (_tiny_folder(root / "dunder", architectures=["__class__"]), rf"`__class__`.*{not_model}"),
+        "architectures-string": (
+            _tiny_folder(root / "archstr", architectures="LlamaForCausalLM"),
+            r"`architectures`.*expected a list of class names",
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def bad_targets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
+    targets = _bad_targets(tmp_path_factory.mktemp("bad-targets"))
+    assert sorted(targets) == sorted(_BAD_TARGET_NAMES)  # the parametrisation below covers each one
+    return targets
+
+
+_BAD_TARGET_NAMES = [
+    "missing",
+    "no-config",
+    "malformed-json",
+    "malformed-json-file",
+    "string-value",
+    "zero-heads",
+    "negative-vocab",
+    "other-family",
+    "unknown-model-type",
+    "no-model-type",
+    "trainer",
+    "tokenizer",
+    "auto-class",
+    "function",
+    "dunder",
+    "architectures-string",
+]
+
+
+@pytest.mark.parametrize("json_mode", [False, True], ids=["text", "json"])
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+@pytest.mark.parametrize("case", _BAD_TARGET_NAMES)
+def test_a_bad_target_exits_2_with_one_line(
+    capsys: pytest.CaptureFixture[str],
+    bad_targets: dict[str, tuple[Path, str]],
+    case: str,
+    command: str,
+    json_mode: bool,
+) -> None:
+    target, match = bad_targets[case]
+    argv = [command, str(target), *(["--json"] if json_mode else [])]
+    code, out, err = _run(capsys, *argv)
+    _assert_refused(code, out, err, json_mode, match)
+    assert modelgraft.get_patch_mapping() == {}
+
+
+@pytest.mark.parametrize("json_mode", [False, True], ids=["text", "json"])
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        ([], r"required: COMMAND"),
+        (["nosuchcommand"], r"invalid choice: 'nosuchcommand'"),
+        (["inspect"], r"required: MODEL_TYPE_OR_PATH"),
+        (["explain"], r"required: CLASS_NAME"),
+        (["verify"], r"required: MODEL_TYPE_OR_PATH"),
+        (["inspect", "llama", "--bogus"], r"unrecognized arguments: --bogus"),
+        (["verify", "llama", "--atol", "abc"], r"argument --atol: invalid float value: 'abc'"),
+        (["verify", "llama", "--seed", "1.5"], r"argument --seed: invalid int value: '1.5'"),
+        (["explain", "LlamaAttention", "--key"], r"argument --key: expected one argument"),
+        (["inspect", "llama", "--js"], r"unrecognized arguments: --js"),  # no abbreviations
+    ],
+    ids=[
+        "nothing",
+        "unknown-command",
+        "inspect",
+        "explain",
+        "verify",
+        "unknown-flag",
+        "atol",
+        "seed",
+        "key-value",
+        "abbreviation",
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], match: str, json_mode: bool
+) -> None:
+    code, out, err = _run(capsys, *argv, *(["--json"] if json_mode else []))
+    message = _assert_refused(code, out, err, json_mode, match)
+    assert "--help" in message
+
+
+@pytest.mark.parametrize("json_mode", [False, True], ids=["text", "json"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-1e-5"])
+def test_verify_refuses_a_non_finite_or_negative_atol(
+    capsys: pytest.CaptureFixture[str], value: str, json_mode: bool
+) -> None:
+    argv = ["verify", "llama", "--graft", "modelgraft.grafts:fused_qkv", f"--atol={value}"]
+    code, out, err = _run(capsys, *argv, *(["--json"] if json_mode else []))
+    _assert_refused(code, out, err, json_mode, r"`atol` must be a finite number >= 0")
+
+
+_GRAFT_MODULES = {
+    "syntax_error_graft": "def broken(:\n",
+    "raising_graft": "raise RuntimeError('boom at import')\n",
+    "exiting_graft": "import sys\nsys.exit(1)\n",
+    "odd_grafts": (
+        "def factory_that_raises():\n    raise RuntimeError('factory boom')\n\n"
+        "NOT_A_GRAFT = 42\n"
+        "BAD_VALUES = {'LlamaAttention': 3}\n"
+        "BAD_KEY = {'(': __import__('torch').nn.Identity}\n"
+    ),
+}
+
+
+@pytest.fixture
+def graft_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, source in _GRAFT_MODULES.items():
+        (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+@pytest.mark.parametrize("json_mode", [False, True], ids=["text", "json"])
+@pytest.mark.parametrize("command", ["inspect", "explain", "verify"])
+@pytest.mark.parametrize(
+    ("flag", "reference", "match"),
+    [
+        ("--graft", "no_such_module_xyz:GRAFT", r"Could not import module `no_such_module_xyz`"),
+        ("--graft", "modelgraft.grafts:no_such_graft", r"has no attribute `no_such_graft`"),
+        ("--graft", "no_colon_here", r"not a `package.module:NAME` reference"),
+        ("--graft", "syntax_error_graft:X", r"Could not import `syntax_error_graft:X`: SyntaxError"),
+        ("--graft", "raising_graft:X", r"Could not import `raising_graft:X`: RuntimeError: boom at import"),
+        ("--graft", "exiting_graft:X", r"Could not import `exiting_graft:X`: SystemExit"),
+        ("--graft", "odd_grafts:factory_that_raises", r"`odd_grafts:factory_that_raises`.*factory boom"),
+        ("--graft", "odd_grafts:NOT_A_GRAFT", r"`odd_grafts:NOT_A_GRAFT` is a `int`"),
+        ("--graft", "odd_grafts:BAD_VALUES", r"LlamaAttention"),
+        ("--graft", "odd_grafts:BAD_KEY", r"not a valid regular expression"),
+        ("--import", "no_such_module_xyz", r"Could not import `no_such_module_xyz` \(from --import\)"),
+        ("--import", "raising_graft", r"Could not import `raising_graft` \(from --import\).*boom at import"),
+        ("--import", "syntax_error_graft", r"Could not import `syntax_error_graft` \(from --import\)"),
+    ],
+    ids=[
+        "no-module",
+        "no-attribute",
+        "no-colon",
+        "syntax-error",
+        "raises",
+        "sys-exit",
+        "factory-raises",
+        "not-a-graft",
+        "bad-values",
+        "bad-key",
+        "import-missing",
+        "import-raises",
+        "import-syntax",
+    ],
+)
+def test_a_bad_graft_or_import_exits_2_with_one_line(
+    capsys: pytest.CaptureFixture[str],
+    graft_modules: None,
+    command: str,
+    flag: str,
+    reference: str,
+    match: str,
+    json_mode: bool,
+) -> None:
+    target = "LlamaAttention" if command == "explain" else "llama"
+    code, out, err = _run(capsys, command, target, flag, reference, *(["--json"] if json_mode else []))
+    _assert_refused(code, out, err, json_mode, match)
+    assert modelgraft.get_patch_mapping() == {}
+
+
+def test_json_output_stays_one_document_when_a_graft_module_prints(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "chatty_graft.py").write_text(
+        "print('hello from a graft module')\nfrom modelgraft.grafts import fused_qkv\nGRAFT = fused_qkv('llama')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = _run(capsys, "verify", "llama", "--graft", "chatty_graft:GRAFT", "--json")
+    assert code == 0, out + err
+    assert json.loads(out)["passed"] is True
+    assert "hello from a graft module" in err
+
+
+_NAN_GRAFT = (
+    "from transformers.models.llama.modeling_llama import LlamaAttention\n\n\n"
+    "class NaNAttention(LlamaAttention):\n"
+    "    def forward(self, *args, **kwargs):\n"
+    "        out, weights = super().forward(*args, **kwargs)\n"
+    "        out = out.clone()\n"
+    "        out[0, 3, 5] = float('nan')\n"
+    "        return out, weights\n\n\n"
+    "GRAFT = {'LlamaAttention': NaNAttention}\n"
+)
+
+
+def test_verify_fails_on_nan_with_exit_1(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "nan_graft.py").write_text(_NAN_GRAFT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, _ = _run(capsys, "verify", "llama", "--graft", "nan_graft:GRAFT", "--json")
+    assert code == 1
+    result = json.loads(out)
+    checks = {c["name"]: c for c in result["checks"]}
+    assert result["passed"] is False
+    assert checks["logits_match"]["passed"] is False and checks["hidden_states_match"]["passed"] is False
+    assert "NaN where the plain model is finite" in checks["logits_match"]["detail"]
+    assert "`hidden_states[1]`" in checks["hidden_states_match"]["detail"]
+
+    code, out, _ = _run(capsys, "verify", "llama", "--graft", "nan_graft:GRAFT")
+    assert code == 1
+    assert re.search(r"^logits_match +FAIL +`logits`: \d+ NaN where the plain model is finite", out, re.M)
+    assert "max |diff| 0.00e+00" not in out
+    assert out.rstrip().endswith("FAILED: logits_match, hidden_states_match")

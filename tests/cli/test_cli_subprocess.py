@@ -87,3 +87,37 @@ def test_a_bad_target_exits_2() -> None:
     done = _cli("inspect", "not_a_model_type", "--json")
     assert done.returncode == 2
     assert "`not_a_model_type` is neither a local path nor a model type" in json.loads(done.stdout)["error"]
+
+
+def _module_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``python -m modelgraft``: the other entry point, same program."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run(
+        [sys.executable, "-m", "modelgraft", *argv], capture_output=True, text=True, env=env, check=False
+    )
+
+
+def test_usage_errors_under_json_are_one_json_line_and_exit_2() -> None:
+    for done in (_cli("--json"), _module_cli("inspect", "--json", "--bogus", "x")):
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "Traceback" not in done.stderr
+        assert done.stdout.count("\n") == 1
+        assert json.loads(done.stdout)["error"].startswith("UsageError: ")
+
+
+def test_a_refused_config_exits_2_without_a_traceback(tmp_path: Path) -> None:
+    LlamaConfig(num_hidden_layers=1, hidden_size=32, architectures=["Trainer"]).save_pretrained(tmp_path)
+    done = _cli("verify", str(tmp_path))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == "" and "Traceback" not in done.stderr
+    # the last line of stderr is ours (a library may log above it while importing)
+    assert done.stderr.splitlines()[-1].startswith(
+        "modelgraft verify: error: `Trainer` (named in the config's"
+    )
+    done = _cli("inspect", str(tmp_path / "missing"), "--json")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert json.loads(done.stdout)["error"].endswith(
+        "does not exist; expected a checkpoint folder, a "
+        "`config.json` file, or a model type such as `llama` "
+        "(only local paths are read)."
+    )
