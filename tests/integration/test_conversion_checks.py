@@ -77,6 +77,31 @@ def test_rows_moved_between_fused_sources_are_refused(fam, graft, short, long, s
         AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("fam", family_params(model_types=["llava"]))
+def test_rows_that_add_up_in_a_sub_model_of_a_composite_model_are_refused(fam, tmp_path):
+    """The original is built outside the load: its language model is original too, not grafted."""
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(fam.config()).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    # transformers writes llava's legacy layout; the message names the key as the checkpoint has it.
+    q = "language_model.model.layers.0.self_attn.q_proj.weight"
+    expected = tensors[q].shape
+    _move_rows(tensors, q, q.replace("q_proj", "k_proj"))
+    _rewrite(tmp_path, tensors)
+    g = fused_qkv("llama")
+    with (
+        patched(g.mapping, conversions=g.conversions),
+        pytest.raises(
+            ConversionShapeError,
+            match=rf"Checkpoint key `{re.escape(q)}` has shape {_shape(tensors[q])}, but converter .* expects "
+            rf"{_shape(expected)} there \(its shape in the original `LlavaForConditionalGeneration`\)",
+        ),
+    ):
+        AutoModelForImageTextToText.from_pretrained(tmp_path)
+
+
 def _moe_merge_graft() -> tuple[dict, dict]:
     """A graft whose conversions merge per-expert checkpoint keys into fused experts.
 

@@ -39,6 +39,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -75,11 +76,31 @@ def shapes_text(shapes: Sequence[torch.Size | Sequence[int]]) -> str:
 
 def _runs_to(ops: Sequence[object], sources: ShapeGroups, targets: ShapeGroups) -> bool:
     """Whether the operations turn tensors of ``sources`` into tensors of ``targets`` (on meta)."""
+    key = (
+        tuple(ops),
+        tuple(tuple(tuple(s) for s in group) for group in sources),
+        tuple(tuple(tuple(s) for s in group) for group in targets),
+    )
+    try:
+        return _runs_to_cached(*key)
+    except TypeError:  # an operation that cannot be hashed: run it every time
+        return _runs_to_uncached(*key)
+
+
+# Every layer of a model asks the same question; running the operations on meta tensors costs
+# about a millisecond, so the answer is kept (operations are immutable values).
+@functools.lru_cache(maxsize=256)
+def _runs_to_cached(ops: tuple, sources: tuple, targets: tuple) -> bool:
+    return _runs_to_uncached(ops, sources, targets)
+
+
+def _runs_to_uncached(ops: tuple, sources: tuple, targets: tuple) -> bool:
     tensors = [[torch.empty(s, device="meta") for s in group] for group in sources]
+    target_shapes = [[torch.Size(s) for s in group] for group in targets]
     try:
         for i, op in enumerate(ops):
             last = i == len(ops) - 1
-            ctx = ConversionContext(num_targets=len(targets), target_shapes=targets if last else None)
+            ctx = ConversionContext(num_targets=len(targets), target_shapes=target_shapes if last else None)
             tensors = op.convert(tensors, ctx)  # type: ignore[attr-defined]
     except Exception:  # an operation that cannot run on these shapes: no expectation to hold
         return False

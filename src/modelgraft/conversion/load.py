@@ -14,8 +14,11 @@ Example:
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -292,11 +295,43 @@ def apply_load_conversions(
     return state
 
 
-def _original_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
-    """Keys and shapes of the original (un-grafted) model: the meta build that saving uses."""
-    from modelgraft.conversion.save import original_shapes  # save builds on this module
+# (model class, config as JSON) -> the original model's shapes, for repeated loads of one model.
+_ORIGINALS: OrderedDict[tuple[type, str], dict[str, torch.Size]] = OrderedDict()
+_ORIGINALS_KEPT = 8
+_originals_lock = threading.Lock()
 
-    return original_shapes(model)
+
+def _original_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
+    """Keys and shapes of the original (un-grafted) model: the meta build that saving uses.
+
+    It runs in an empty context (no load in progress, no ``patched`` block) with the global
+    registry hidden, so the sub-models a composite model builds through ``from_config`` while it
+    is constructed are original too, instead of joining this load's swap. The build depends only
+    on the class and the config, so the last few are kept.
+    """
+    from modelgraft.conversion.save import original_shapes  # save builds on this module
+    from modelgraft.hooks import unpatched
+
+    try:
+        key: tuple[type, str] | None = (type(model), model.config.to_json_string())
+    except (AttributeError, TypeError, ValueError):  # no config, or one JSON cannot hold: not kept
+        key = None
+    with _originals_lock:
+        found = _ORIGINALS.get(key) if key is not None else None
+    if found is not None:
+        return found
+
+    def build() -> dict[str, torch.Size]:
+        with unpatched():
+            return original_shapes(model)
+
+    shapes = contextvars.Context().run(build)
+    if key is not None:
+        with _originals_lock:
+            _ORIGINALS[key] = shapes
+            while len(_ORIGINALS) > _ORIGINALS_KEPT:
+                _ORIGINALS.popitem(last=False)
+    return shapes
 
 
 def _check_all(
@@ -316,10 +351,8 @@ def _check_all(
         # sources, the original holds them, with the shapes they must have.
         local = {scope.local(k): s for k, s in original.items() if scope.owns(k)}
         targets = sorted({scope.local(k) for g in groups for k in g.flat_targets})
-        in_original = {
-            g.targets: _globalise(g, scope)
-            for g in plan_groups(scope.converters, targets, local, strict_sources=False).groups
-        }
+        found = plan_groups(scope.converters, targets, local, strict_sources=False).groups
+        in_original = {g.targets: g for g in (_globalise(g, scope) for g in found)}
         for group in groups:
             target_shapes = [[params[k].shape for k in keys] for keys in group.targets]
             expected = expected_sources(
