@@ -254,6 +254,38 @@ def test_a_missing_expert_up_proj_is_a_shape_error(file_mapping, tmp_path, monke
         AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
+def _rename_qkv(tensors: dict[str, torch.Tensor]) -> None:
+    """Another layout (wq, wk, wv): keys the original model does not hold, so nothing says what shape
+    they should have and the operations meet the tensors as they are."""
+    for n in "qkv":
+        for layer in range(2):
+            key = f"model.layers.{layer}.self_attn.{n}_proj.weight"
+            tensors[key.replace(f"{n}_proj", f"w{n}")] = tensors.pop(key)
+
+
+@pytest.mark.parametrize("file_mapping", ["1", "0"], ids=["mapped", "read"])
+def test_keys_of_another_layout_that_do_not_join_are_a_shape_error(file_mapping, tmp_path, monkeypatch):
+    monkeypatch.setenv("MODELGRAFT_FILE_MAPPING", file_mapping)
+    tensors = _save("llama", tmp_path)
+    _rename_qkv(tensors)
+    _transposed(tensors, "model.layers.1.self_attn.wk.weight")
+    _rewrite(tmp_path, tensors)
+    g = fused_qkv("llama")
+    conv = WeightConverter(
+        ["self_attn.wq", "self_attn.wk", "self_attn.wv"], "self_attn.qkv_proj", [Concatenate(dim=0)]
+    )
+    with (
+        patched(g.mapping, conversions={"llama": [conv]}),
+        pytest.raises(
+            ConversionShapeError,
+            match=r"could not run `Concatenate\(dim=0\)` on checkpoint key\(s\) `model\.layers\.1\.self_attn\.wq\.weight` "
+            r"\(64, 64\) float32, `model\.layers\.1\.self_attn\.wk\.weight` \(64, 32\) float32.*must produce "
+            r"`model\.layers\.1\.self_attn\.qkv_proj\.weight` \(128, 64\)",
+        ),
+    ):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
 class _TransposedTwice(ConversionOperation):
     """A user operation (an identity on 2-D weights) that torch refuses on a 1-D tensor."""
 
@@ -265,14 +297,8 @@ class _TransposedTwice(ConversionOperation):
 
 
 def test_a_user_operation_raising_a_torch_error_is_a_shape_error(tmp_path):
-    # Keys of another layout (wq, wk, wv) are not parameters of the original model: nothing says
-    # what shape they should have, so the operation itself meets the bad tensor.
     tensors = _save("llama", tmp_path)
-    for n in "qkv":
-        for layer in range(2):
-            tensors[f"model.layers.{layer}.self_attn.w{n}.weight"] = tensors.pop(
-                f"model.layers.{layer}.self_attn.{n}_proj.weight"
-            )
+    _rename_qkv(tensors)
     _flattened(tensors, "model.layers.0.self_attn.wv.weight")
     _rewrite(tmp_path, tensors)
     g = fused_qkv("llama")
