@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from modelgraft.conversion._plan import Group
 from modelgraft.conversion.ops import (
     Chunk,
     Concatenate,
@@ -101,7 +102,7 @@ def _runs_to_uncached(ops: tuple, sources: tuple, targets: tuple) -> bool:
         for i, op in enumerate(ops):
             last = i == len(ops) - 1
             ctx = ConversionContext(num_targets=len(targets), target_shapes=target_shapes if last else None)
-            tensors = op.convert(tensors, ctx)  # type: ignore[attr-defined]
+            tensors = op.convert(tensors, ctx)
     except Exception:  # an operation that cannot run on these shapes: no expectation to hold
         return False
     got = [[tuple(t.shape) for t in group] for group in tensors]
@@ -195,8 +196,8 @@ def _equal_parts(ops: Sequence[object], targets: ShapeGroups, num_sources: int) 
 
 
 def expected_sources(
-    group: object,
-    original_group: object | None,
+    group: Group,
+    original_group: Group | None,
     original: Mapping[str, torch.Size],
     target_shapes: ShapeGroups,
     model_name: str,
@@ -214,17 +215,17 @@ def expected_sources(
     Returns:
         The expectation, or ``None`` when the original model says nothing about these sources.
     """
-    ops = group.converter.operations  # type: ignore[attr-defined]
+    ops = group.converter.operations
     if original_group is not None:
-        shapes = [[torch.Size(original[k]) for k in keys] for keys in original_group.sources]  # type: ignore[attr-defined]
+        shapes = [[torch.Size(original[k]) for k in keys] for keys in original_group.sources]
         if _runs_to(ops, shapes, target_shapes):
             return Expected(shapes, f"its shape in the original {model_name}")
         return None
-    targets = group.flat_targets  # type: ignore[attr-defined]
+    targets = group.flat_targets
     flat_shapes = [s for g in target_shapes for s in g]
     if not all(k in original and tuple(original[k]) == tuple(s) for k, s in zip(targets, flat_shapes)):
         return None
-    shapes = _equal_parts(ops, target_shapes, len(group.sources))  # type: ignore[attr-defined]
+    shapes = _equal_parts(ops, target_shapes, len(group.sources))
     if shapes is None or not _runs_to(ops, shapes, target_shapes):
         return None
     return Expected(
@@ -234,10 +235,10 @@ def expected_sources(
     )
 
 
-def _star_check(group: object, name: Callable[[str], str]) -> None:
+def _star_check(group: Group, name: Callable[[str], str]) -> None:
     """``*`` sources must run 0, 1, ... without a gap: they are handed to the operations by position."""
-    conv = group.converter  # type: ignore[attr-defined]
-    starred = [(p, keys) for p, keys in zip(conv._sources, group.sources) if p.has_star and keys]  # type: ignore[attr-defined]
+    conv = group.converter
+    starred = [(p, keys) for p, keys in zip(conv._sources, group.sources) if p.has_star and keys]
     count = max((len(keys) for _, keys in starred), default=0)
     for pattern, keys in starred:
         matches = [pattern.match(k) for k in keys]
@@ -257,10 +258,10 @@ def _star_check(group: object, name: Callable[[str], str]) -> None:
 
 
 def _dtype_check(
-    group: object, dtypes: Sequence[Sequence[torch.dtype | None]], name: Callable[[str], str]
+    group: Group, dtypes: Sequence[Sequence[torch.dtype | None]], name: Callable[[str], str]
 ) -> None:
     first_key, first = None, None
-    for keys, kinds in zip(group.sources, dtypes):  # type: ignore[attr-defined]
+    for keys, kinds in zip(group.sources, dtypes):
         for key, dtype in zip(keys, kinds):
             if dtype is None:
                 continue
@@ -268,7 +269,7 @@ def _dtype_check(
                 first_key, first = key, dtype
             elif dtype != first:
                 raise ConversionShapeError(
-                    f"Converter {group.converter!r} joins checkpoint tensors of different dtypes: "  # type: ignore[attr-defined]
+                    f"Converter {group.converter!r} joins checkpoint tensors of different dtypes: "
                     f"`{name(first_key)}` is {first} but `{name(key)}` is {dtype}. Operations would promote "
                     "them silently; re-save the checkpoint with one dtype for these tensors "
                     "(`tensor.to(dtype)`), then load with `dtype=` as usual."
@@ -276,7 +277,7 @@ def _dtype_check(
 
 
 def check_sources(
-    group: object,
+    group: Group,
     shapes: ShapeGroups,
     dtypes: Sequence[Sequence[torch.dtype | None]],
     expected: Expected | None,
@@ -291,8 +292,8 @@ def check_sources(
     _dtype_check(group, dtypes, name)
     if expected is None:
         return
-    conv = group.converter  # type: ignore[attr-defined]
-    for pattern, keys, found, want in zip(conv._sources, group.sources, shapes, expected.shapes):  # type: ignore[attr-defined]
+    conv = group.converter
+    for pattern, keys, found, want in zip(conv._sources, group.sources, shapes, expected.shapes):
         if len(found) != len(want):
             m = pattern.match(keys[0])
             present = {pattern.match(k).index for k in keys}
