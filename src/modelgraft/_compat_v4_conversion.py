@@ -6,8 +6,8 @@
 
 * ``PreTrainedModel.post_init``: remembers the conversion scopes a model was built under, so a
   model made with ``from_config`` saves its original layout after the scope has ended.
-* ``PreTrainedModel._load_pretrained_model``: makes the checkpoint files and device map of this
-  load visible to the next wrapper, and drops the checkpoint keys a conversion consumed from the
+* ``PreTrainedModel._load_pretrained_model``: makes the checkpoint files (or the ``state_dict``)
+  and device map of this load visible to the next wrapper, and drops the checkpoint keys a conversion consumed from the
   unexpected keys it reports (``_adjust_missing_and_unexpected_keys``).
 * ``_find_missing_and_unexpected_keys`` (the name ``_load_pretrained_model`` calls): right after
   transformers found the missing keys, and before it materialises and initialises them, fills the
@@ -46,6 +46,7 @@ class _Load:
     """What the inner wrappers of one ``_load_pretrained_model`` call need to share."""
 
     files: list[str] | None
+    state_dict: dict | None
     device_map: dict | None
     key_mapping: dict[str, str] | None
     quantizer: Any = None
@@ -89,7 +90,13 @@ def _wrap_load_pretrained_model(original: Any) -> Any:
             return original(cls, model, state_dict, checkpoint_files, *args, **kwargs)
         files = list(checkpoint_files) if checkpoint_files and state_dict is None else None
         token = _current.set(
-            _Load(files, kwargs.get("device_map"), kwargs.get("key_mapping"), kwargs.get("hf_quantizer"))
+            _Load(
+                files,
+                state_dict,
+                kwargs.get("device_map"),
+                kwargs.get("key_mapping"),
+                kwargs.get("hf_quantizer"),
+            )
         )
         try:
             return original(cls, model, state_dict, checkpoint_files, *args, **kwargs)
@@ -103,7 +110,7 @@ def _wrap_find_missing(original: Any) -> Any:
     def _find_missing_and_unexpected_keys(model: Any, *args: Any, **kwargs: Any) -> Any:
         missing, unexpected = original(model, *args, **kwargs)
         load = _current.get()
-        if load is None or load.files is None:
+        if load is None or (load.files is None and load.state_dict is None):
             return missing, unexpected
         still_missing, left_unexpected = set(missing), set(unexpected)
         _load.apply_load_conversions(
@@ -114,6 +121,7 @@ def _wrap_find_missing(original: Any) -> Any:
             _load.device_for_map(load.device_map),
             _renamer(model, load.key_mapping),
             place=_unquantized_notice(model, load.quantizer),
+            state_dict=load.state_dict,  # `from_pretrained(..., state_dict=)`: converted like files
         )
         load.consumed |= set(unexpected) - left_unexpected
         # Consumed keys stay "unexpected" until the shards are loaded, so transformers does not try

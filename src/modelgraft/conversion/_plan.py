@@ -16,7 +16,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -123,20 +123,71 @@ def plan_groups(
     return plan
 
 
-def run_convert(group: Group, tensors: TensorGroups, target_shapes: ShapeGroups | None) -> TensorGroups:
-    """Run the group's operations in order (checkpoint layout to grafted layout)."""
+def run_convert(
+    group: Group,
+    tensors: TensorGroups,
+    target_shapes: ShapeGroups | None,
+    name: Callable[[str], str] = lambda key: key,
+) -> TensorGroups:
+    """Run the group's operations in order (checkpoint layout to grafted layout).
+
+    An operation that fails on the tensors it receives (a torch error, or a refusal of a modelgraft
+    operation) raises :class:`ConversionShapeError` naming the converter, the operation, the source
+    keys (through ``name``, model key to checkpoint key) with their shapes, and the target shapes.
+    """
     ops = group.converter.operations
     n = len(group.targets)
+    sources = tensors
     for i, op in enumerate(ops):
         last = i == len(ops) - 1
-        tensors = op.convert(
-            tensors, ConversionContext(num_targets=n, target_shapes=target_shapes if last else None)
-        )
-    _check_shapes(group, tensors, target_shapes, "load")
+        try:
+            tensors = op.convert(
+                tensors, ConversionContext(num_targets=n, target_shapes=target_shapes if last else None)
+            )
+        except (IrreversibleConversionError, NotImplementedError):
+            raise  # not about the tensors
+        except (RuntimeError, ValueError, IndexError, TypeError) as e:
+            raise _operation_error(group, op, sources, target_shapes, name, e) from e
+    _check_shapes(group, tensors, target_shapes, "load", name)
     return tensors
 
 
-def _check_shapes(group: Group, tensors: TensorGroups, expected: ShapeGroups | None, where: str) -> None:
+def _operation_error(
+    group: Group,
+    op: object,
+    sources: TensorGroups,
+    target_shapes: ShapeGroups | None,
+    name: Callable[[str], str],
+    error: BaseException,
+) -> ConversionShapeError:
+    received = ", ".join(
+        f"`{name(k)}` {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+        for keys, ts in zip(group.sources, sources)
+        for k, t in zip(keys, ts)
+    )
+    targets = (
+        ", ".join(
+            f"`{k}` {tuple(s)}" for keys, ss in zip(group.targets, target_shapes) for k, s in zip(keys, ss)
+        )
+        if target_shapes is not None
+        else ", ".join(f"`{k}`" for k in group.flat_targets)
+    )
+    # A user operation without a __repr__ of its own is shown by its class name, not its address.
+    shown = type(op).__name__ if type(op).__repr__ is object.__repr__ else repr(op)
+    return ConversionShapeError(
+        f"Converter {group.converter!r} could not run `{shown}` on checkpoint key(s) {received} "
+        f"({type(error).__name__}: {str(error).strip().rstrip('.')}). The checkpoint tensors do not have the shapes this converter expects; it must produce {targets}. "
+        "Check the checkpoint against the model's config, and the operations' dims against the tensors."
+    )
+
+
+def _check_shapes(
+    group: Group,
+    tensors: TensorGroups,
+    expected: ShapeGroups | None,
+    where: str,
+    name: Callable[[str], str] = lambda key: key,
+) -> None:
     keys = group.targets if where == "load" else group.sources
     if len(tensors) != len(keys) or any(len(t) != len(k) for t, k in zip(tensors, keys)):
         got = [len(t) for t in tensors]
@@ -147,12 +198,20 @@ def _check_shapes(group: Group, tensors: TensorGroups, expected: ShapeGroups | N
     if expected is None:
         return
     for names, ts, shapes in zip(keys, tensors, expected):
-        for name, t, shape in zip(names, ts, shapes):
+        for key, t, shape in zip(names, ts, shapes):
             if tuple(t.shape) != tuple(shape):
+                origin = ""
+                if where == "load":
+                    shown = ", ".join(
+                        f"`{name(k)}` {tuple(s)}"
+                        for ks, ss in zip(group.sources, group.source_shapes)
+                        for k, s in zip(ks, ss)
+                    )
+                    origin = f" from checkpoint key(s) {shown}" if shown else ""
                 raise ConversionShapeError(
-                    f"Converter {group.converter!r} produced shape {tuple(t.shape)} for `{name}`, but the "
+                    f"Converter {group.converter!r} produced shape {tuple(t.shape)} for `{key}`, but the "
                     f"{'model parameter' if where == 'load' else 'original checkpoint key'} has shape "
-                    f"{tuple(shape)}. Check the operations' dims, or the replacement module's sizes."
+                    f"{tuple(shape)}{origin}. Check the operations' dims, or the replacement module's sizes."
                 )
 
 

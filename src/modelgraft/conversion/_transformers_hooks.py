@@ -8,8 +8,8 @@ means adding one module like this one. Wrapped, in ``transformers.modeling_utils
 * ``get_model_conversion_mapping`` (the name ``from_pretrained`` calls): drops transformers'
   built-in transforms for every (sub)model that has a modelgraft entry; that entry replaces them.
 * ``PreTrainedModel._load_pretrained_model``: after transformers has loaded every key that fits,
-  fills the missing converted parameters from the checkpoint files (before ``_finalize_model_loading``
-  would randomly initialise them).
+  fills the missing converted parameters from the checkpoint files, or from the ``state_dict`` the
+  load was given (before ``_finalize_model_loading`` would randomly initialise them).
 * ``revert_weight_conversion`` (the name ``save_pretrained`` calls): reverses modelgraft's conversions
   exactly and leaves the other keys to transformers.
 
@@ -116,7 +116,7 @@ def _wrap_load_pretrained_model(original: Any) -> Any:
         model: Any, state_dict: Any, checkpoint_files: Any, load_config: Any, *a, **kw
     ):
         loading_info, offload_index = original(model, state_dict, checkpoint_files, load_config, *a, **kw)
-        if has_any_conversions() and state_dict is None:
+        if has_any_conversions():
             offloaded: dict = offload_index if offload_index is not None else {}
 
             def offload(key: str, tensor: torch.Tensor) -> None:
@@ -135,6 +135,7 @@ def _wrap_load_pretrained_model(original: Any) -> Any:
                 _renamer(getattr(load_config, "weight_mapping", None) or []),
                 offload,
                 _quantizing_placer(model, getattr(load_config, "hf_quantizer", None), loading_info),
+                state_dict=state_dict,  # `from_pretrained(..., state_dict=)`: converted like files
             )
             if offloaded and offload_index is None:
                 offload_index = offloaded

@@ -14,17 +14,22 @@ Example:
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from modelgraft.conversion._checks import check_sources, expected_sources
 from modelgraft.conversion._filemap import map_ranges
 from modelgraft.conversion._layout import ByteLayout, convert_layouts
-from modelgraft.conversion._plan import Group, plan_groups, run_convert
-from modelgraft.conversion._safetensors import SafetensorsFile, read_ranges_into
+from modelgraft.conversion._plan import Group, Plan, plan_groups, run_convert
+from modelgraft.conversion._safetensors import read_ranges_into
+from modelgraft.conversion._sources import FileSource, StateDictSource, TensorSource
 from modelgraft.conversion.rules import Conversions, has_any_conversions, lookup_conversions
 from modelgraft.errors import ConversionError
 from modelgraft.report import ConversionRecord, _report_for
@@ -125,18 +130,6 @@ def scope_for(scopes: Sequence[Scope], param: str) -> Scope | None:
 
 
 # ---- checkpoint files ---------------------------------------------------------------------------
-def checkpoint_index(files: Iterable[str]) -> dict[str, tuple[SafetensorsFile, torch.Size]]:
-    """``key -> (file, shape)`` from the safetensors headers (no tensor is read)."""
-    index: dict[str, tuple[SafetensorsFile, torch.Size]] = {}
-    for path in files:
-        if not str(path).endswith(".safetensors"):
-            continue
-        f = SafetensorsFile(path)
-        for key in f.keys():
-            index[key] = (f, f.shape(key))
-    return index
-
-
 def files_in_folder(folder: str | os.PathLike) -> list[str]:
     """The safetensors files of a checkpoint folder (sharded through its index json, or single)."""
     folder = os.fspath(folder)
@@ -214,58 +207,75 @@ def apply_load_conversions(
     rename: Callable[[str], str] | None = None,
     offload: Callable[[str, torch.Tensor], None] | None = None,
     place: Callable[[str, torch.Tensor], bool] | None = None,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
 ) -> ConversionState | None:
     """Fill ``missing_keys`` of ``model`` that a registered converter can produce, in place.
 
-    Converted targets are removed from ``missing_keys`` and consumed sources from
-    ``unexpected_keys``. ``rename`` maps a checkpoint key through the loader's own renamings
-    (legacy layouts such as ``language_model.model.*``) before the base-model prefix is adjusted.
-    A target whose ``device_for`` is ``"disk"`` is handed, converted, to ``offload(key, tensor)``
-    (the loader writes it to its offload folder) and its parameter stays on the meta device.
-    ``place(key, tensor)``, when given, may put a converted tensor into the model itself (a
-    quantizing loader quantizes it) and returns whether it did; otherwise it is set as it is.
+    The tensors come from ``state_dict`` when one is given (``from_pretrained(..., state_dict=)``),
+    else from ``checkpoint_files``. Converted targets are removed from ``missing_keys`` and consumed
+    sources from ``unexpected_keys``. ``rename`` maps a checkpoint key through the loader's own
+    renamings (legacy layouts such as ``language_model.model.*``) before the base-model prefix is
+    adjusted. A target whose ``device_for`` is ``"disk"`` is handed, converted, to
+    ``offload(key, tensor)`` (the loader writes it to its offload folder) and its parameter stays
+    on the meta device. ``place(key, tensor)``, when given, may put a converted tensor into the
+    model itself (a quantizing loader quantizes it) and returns whether it did; otherwise it is set
+    as it is. Every group's sources are checked (see ``_checks``) before any group runs.
     Returns the state saved on the model, or ``None`` when no entry applies.
 
     Raises:
         MissingSourceKeyError: a group finds only some of its source keys.
-        ConversionShapeError: a converted tensor does not fit its parameter.
+        ConversionShapeError: a source does not fit what the original model expects there, the
+            sources of a group mix dtypes or skip a ``*`` index, an operation fails on them, or a
+            converted tensor does not fit its parameter.
     """
     scopes = resolve_scopes(model)
     if not scopes:
         return None
-    state = ConversionState(scopes=scopes, loaded=checkpoint_files is not None)
+    from_memory = state_dict is not None
+    state = ConversionState(scopes=scopes, loaded=checkpoint_files is not None or from_memory)
     object.__setattr__(model, STATE_ATTR, state)
-    if not checkpoint_files:
+    if not checkpoint_files and not from_memory:
         return state
     params = dict(model.named_parameters(remove_duplicate=False))
     params.update(dict(model.named_buffers(remove_duplicate=False)))
-    index = checkpoint_index(checkpoint_files)
+    source: TensorSource
+    if state_dict is not None:
+        source = StateDictSource(state_dict)
+    else:
+        source = FileSource(checkpoint_files or ())
     rep = _report_for(model)
-    if not index:
+    if isinstance(source, FileSource) and not list(source.keys()):
         rep.problems.append(
-            f"modelgraft converts weights from safetensors files only; `{checkpoint_files[0]}` is not one, so "
+            f"modelgraft converts weights from safetensors files only; `{source.files[0]}` is not one, so "
             "no conversion ran. Re-save the checkpoint with `save_pretrained` (safetensors is the default)."
         )
-    renamed = {k: rename(k) for k in index} if rename is not None else {k: k for k in index}
+    ckpt_keys = list(source.keys())
+    renamed = {k: rename(k) for k in ckpt_keys} if rename is not None else {k: k for k in ckpt_keys}
     to_model = {}
     by_renamed = _key_translation(model, set(params), renamed.values())
     for ckpt_key, new_key in renamed.items():
         to_model[ckpt_key] = by_renamed[new_key]
     to_ckpt = {m: c for c, m in to_model.items()}
 
-    def locate(model_key: str) -> tuple[SafetensorsFile, str]:
-        ckpt_key = to_ckpt[model_key]
-        return index[ckpt_key][0], ckpt_key
+    def locate(model_key: str) -> tuple[TensorSource, str]:
+        return source, to_ckpt[model_key]
 
+    def name(model_key: str) -> str:
+        return to_ckpt.get(model_key, model_key)
+
+    plans: list[tuple[Scope, Plan, list[Group]]] = []
     for scope in scopes:
         owned_missing = sorted(scope.local(k) for k in missing_keys if scope_for(scopes, k) is scope)
         if not owned_missing:
             continue
-        src_shapes = {scope.local(m): index[c][1] for c, m in to_model.items() if scope.owns(m)}
+        src_shapes = {scope.local(m): source.shape(c) for c, m in to_model.items() if scope.owns(m)}
         plan = plan_groups(scope.converters, owned_missing, src_shapes)
-        for local_group in plan.groups:
-            group = _globalise(local_group, scope)
-            _run_group(model, group, params, locate, device_for, offload, place)
+        plans.append((scope, plan, [_globalise(g, scope) for g in plan.groups]))
+    # Every group is checked before any runs: a bad checkpoint changes nothing in the model.
+    _check_all(model, plans, params, source, name)
+    for scope, plan, groups in plans:
+        for group in groups:
+            _run_group(model, group, params, locate, device_for, offload, place, name)
             state.groups.append(group)
             missing_keys.difference_update(group.flat_targets)
             for k in group.flat_sources:
@@ -275,14 +285,81 @@ def apply_load_conversions(
                 ConversionRecord(repr(group.converter), tuple(group.flat_sources), tuple(group.flat_targets))
             )
         for conv, key in plan.unsourced_targets:
-            name = scope.glob(key)
-            if name not in rep.unloaded_parameters:
-                rep.unloaded_parameters.append(name)
+            target = scope.glob(key)
+            if target not in rep.unloaded_parameters:
+                rep.unloaded_parameters.append(target)
             rep.problems.append(
-                f"`{name}` was produced by no converter: {conv!r} found none of its source keys in the "
+                f"`{target}` was produced by no converter: {conv!r} found none of its source keys in the "
                 "checkpoint, so the parameter keeps its random init. Check the converter's source patterns."
             )
     return state
+
+
+# (model class, config as JSON) -> the original model's shapes, for repeated loads of one model.
+_ORIGINALS: OrderedDict[tuple[type, str], dict[str, torch.Size]] = OrderedDict()
+_ORIGINALS_KEPT = 8
+_originals_lock = threading.Lock()
+
+
+def _original_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
+    """Keys and shapes of the original (un-grafted) model: the meta build that saving uses.
+
+    It runs in an empty context (no load in progress, no ``patched`` block) with the global
+    registry hidden, so the sub-models a composite model builds through ``from_config`` while it
+    is constructed are original too, instead of joining this load's swap. The build depends only
+    on the class and the config, so the last few are kept.
+    """
+    from modelgraft.conversion.save import original_shapes  # save builds on this module
+    from modelgraft.hooks import unpatched
+
+    try:
+        key: tuple[type, str] | None = (type(model), model.config.to_json_string())
+    except (AttributeError, TypeError, ValueError):  # no config, or one JSON cannot hold: not kept
+        key = None
+    with _originals_lock:
+        found = _ORIGINALS.get(key) if key is not None else None
+    if found is not None:
+        return found
+
+    def build() -> dict[str, torch.Size]:
+        with unpatched():
+            return original_shapes(model)
+
+    shapes = contextvars.Context().run(build)
+    if key is not None:
+        with _originals_lock:
+            _ORIGINALS[key] = shapes
+            while len(_ORIGINALS) > _ORIGINALS_KEPT:
+                _ORIGINALS.popitem(last=False)
+    return shapes
+
+
+def _check_all(
+    model: torch.nn.Module,
+    plans: Sequence[tuple[Scope, Plan, list[Group]]],
+    params: Mapping[str, torch.Tensor],
+    source: TensorSource,
+    name: Callable[[str], str],
+) -> None:
+    """Check each group's sources against what the original model expects (see ``_checks``)."""
+    if not any(groups for _, _, groups in plans):
+        return
+    original = _original_shapes(model)
+    model_name = f"`{type(model).__name__}`"
+    for scope, _plan, groups in plans:
+        # The same converters planned over the original model's own keys: where they find the
+        # sources, the original holds them, with the shapes they must have.
+        local = {scope.local(k): s for k, s in original.items() if scope.owns(k)}
+        targets = sorted({scope.local(k) for g in groups for k in g.flat_targets})
+        found = plan_groups(scope.converters, targets, local, strict_sources=False).groups
+        in_original = {g.targets: g for g in (_globalise(g, scope) for g in found)}
+        for group in groups:
+            target_shapes = [[params[k].shape for k in keys] for keys in group.targets]
+            expected = expected_sources(
+                group, in_original.get(group.targets), original, target_shapes, model_name
+            )
+            dtypes = [[source.dtype(name(k)) for k in keys] for keys in group.sources]
+            check_sources(group, group.source_shapes, dtypes, expected, name)
 
 
 def _globalise(group: Group, scope: Scope) -> Group:
@@ -298,10 +375,11 @@ def _run_group(
     model: torch.nn.Module,
     group: Group,
     params: Mapping[str, torch.Tensor],
-    locate: Callable[[str], tuple[SafetensorsFile, str]],
+    locate: Callable[[str], tuple[TensorSource, str]],
     device_for: Callable[[str], torch.device | str],
     offload: Callable[[str, torch.Tensor], None] | None,
     place: Callable[[str, torch.Tensor], bool] | None = None,
+    name: Callable[[str], str] = lambda key: key,
 ) -> None:
     target_shapes = [[params[k].shape for k in keys] for keys in group.targets]
     devices = {
@@ -319,7 +397,7 @@ def _run_group(
     out = _rearranged_targets(group, params, locate, devices) if not to_disk else None
     if out is None:
         tensors = [[_read(locate, k) for k in keys] for keys in group.sources]
-        out = run_convert(group, tensors, target_shapes)
+        out = run_convert(group, tensors, target_shapes, name)
         del tensors
     for keys, values in zip(group.targets, out):
         for key, value in zip(keys, values):
@@ -334,15 +412,15 @@ def _run_group(
                 _set_tensor(model, key, value)
 
 
-def _read(locate: Callable[[str], tuple[SafetensorsFile, str]], key: str) -> torch.Tensor:
-    f, ckpt_key = locate(key)
-    return f.read(ckpt_key)
+def _read(locate: Callable[[str], tuple[TensorSource, str]], key: str) -> torch.Tensor:
+    source, ckpt_key = locate(key)
+    return source.read(ckpt_key)
 
 
 def _rearranged_targets(
     group: Group,
     params: Mapping[str, torch.Tensor],
-    locate: Callable[[str], tuple[SafetensorsFile, str]],
+    locate: Callable[[str], tuple[TensorSource, str]],
     devices: Mapping[str, torch.device | str | int],
 ) -> list[list[torch.Tensor]] | None:
     """Fast path of conversions that only rearrange rows (fused QKV and gate/up, MoE expert merges;
@@ -355,14 +433,13 @@ def _rearranged_targets(
     for keys in group.sources:
         layouts = []
         for key in keys:
-            f, ckpt_key = locate(key)
+            source, ckpt_key = locate(key)
+            layout = source.layout(ckpt_key)
             if dtype is None:
-                dtype = f.dtype(ckpt_key)
-            if dtype is None or f.dtype(ckpt_key) != dtype:
+                dtype = source.dtype(ckpt_key)
+            if layout is None or dtype is None or source.dtype(ckpt_key) != dtype:
                 return None
-            layouts.append(
-                ByteLayout(tuple(f.shape(ckpt_key)), dtype.itemsize, ((f.path, *f.byte_range(ckpt_key)),))
-            )
+            layouts.append(layout)
         sources.append(layouts)
     converted = convert_layouts(group.converter.operations, sources)
     if converted is None or len(converted) != len(group.targets):
