@@ -18,6 +18,7 @@ __all__ = [
     "FusionError",
     "GraftConflictError",
     "GraftError",
+    "GraftStateError",
     "IrreversibleConversionError",
     "MissingSourceKeyError",
     "PatchRegistrationError",
@@ -87,3 +88,8 @@ class GraftConflictError(GraftError, ValueError):
 
 class FusionError(GraftError, TypeError):
     """Layers cannot be fused: missing, not ``nn.Linear``, or disagreeing (``modelgraft.grafts``)."""
+
+
+class GraftStateError(GraftError, ValueError):
+    """``graft_model`` cannot carry a module's state (per-parameter flags, hooks) into its
+    replacement exactly; the model is left unchanged."""

@@ -9,14 +9,18 @@ to a model that already exists, in place, and carries its loaded weights across:
    that came out replaced is a target. A model that cannot be rebuilt from its config (a plain
    ``nn.Module``) falls back to matching class names and recovering the constructor arguments
    from the module's attributes of the same names.
-2. *Build everything first.* Each replacement is constructed on the original module's device,
-   cast to its dtype, given its train/eval mode, and filled from the original's state dict:
-   unchanged when the layouts agree; otherwise through the registered checkpoint conversions,
-   starting from the checkpoint layout (transformers' own load-time conversion undone first when
-   the live layout differs from the checkpoint's). A parameter nothing fills, or an original
-   weight nothing takes, is an error.
+2. *Build everything first.* Each replacement is constructed on the original module's device and
+   filled from the original's parameters and buffers: unchanged when the layouts agree (then the
+   original parameter objects themselves go in); otherwise through the registered checkpoint
+   conversions, starting from the checkpoint layout (transformers' own load-time conversion undone
+   first when the live layout differs from the checkpoint's). A parameter nothing fills, or an
+   original weight nothing takes, is an error. Per parameter ``requires_grad``, dtype and device,
+   per submodule train/eval mode, and hooks are carried over, or refused where they cannot be
+   exactly (see :mod:`modelgraft._live_carry`).
 3. *Then swap.* Only when every replacement is ready are they put into their parents, so a
-   failure leaves the model exactly as it was.
+   failure leaves the model exactly as it was. The model then remembers the conversion groups
+   that ran and the conversion entries in effect, so that ``save_pretrained`` writes the original
+   layout whatever is registered at save time (:func:`modelgraft.conversion.save.remember_graft`).
 
 Example:
     >>> import torch
@@ -47,8 +51,20 @@ from typing import Any
 import torch
 
 from modelgraft import _compat, recorders, registry, swap
+from modelgraft._live_carry import (
+    HookMove,
+    copy_modes,
+    move_hooks,
+    place_tensors,
+    plan_hooks,
+    raw_state,
+    refuse_wrapped,
+    same_dtype_and_device,
+)
 from modelgraft.conversion import rules
-from modelgraft.conversion._plan import plan_groups, run_convert
+from modelgraft.conversion._plan import Group, plan_groups, run_convert
+from modelgraft.conversion.load import resolve_scopes
+from modelgraft.conversion.save import remember_graft
 from modelgraft.errors import ConversionError, GraftError
 from modelgraft.registry import Snapshot
 from modelgraft.report import ConversionRecord, ReplacedModule, _report_for
@@ -70,6 +86,8 @@ class _Target:
     kwargs: dict[str, Any] = field(default_factory=dict)
     built: torch.nn.Module | None = None
     records: list[ConversionRecord] = field(default_factory=list)
+    groups: list[Group] = field(default_factory=list)  # the conversions that filled it, for saving
+    hooks: list[HookMove] = field(default_factory=list)  # hook tables to hand over at swap time
 
 
 def graft_model(
@@ -93,6 +111,9 @@ def graft_model(
     Raises:
         ConversionError: a replacement parameter that no weight of the original fills, or an
             original weight that nothing in the replacement takes (the model is unchanged).
+        GraftStateError: state that cannot be carried exactly: a weight fused from originals whose
+            ``requires_grad``, dtype or device differ, a hook on a module the replacement does not
+            keep, an accelerate hook (the model is unchanged).
         GraftError: a replacement could not be constructed (the model is unchanged).
     """
     if mapping is not None and not isinstance(mapping, Mapping) and hasattr(mapping, "mapping"):
@@ -101,13 +122,18 @@ def graft_model(
         if conversions is None:
             conversions = getattr(bundle, "conversions", None)
     with _scope(mapping, conversions) as snap:
-        rep = _report_for(model)
         if not snap:
             return model
         targets = _plan_targets(model, snap)
-        for target in targets:  # build and fill everything before touching the model
+        for target in targets:  # build, fill and check everything before touching the model
             _build(model, target, snap)
+        # What the conversions in effect are for this model, so that a save undoes this graft
+        # whatever is registered then (see conversion/save.py).
+        scopes = resolve_scopes(model) if targets else []
         _swap_in(model, targets)
+        if targets:
+            remember_graft(model, [g for t in targets for g in t.groups], scopes)
+    rep = _report_for(model)
     used = {t.key for t in targets}
     rep.replaced.extend(
         ReplacedModule(t.path, _qualname(type(t.original)), _qualname(t.replacement_cls), t.key)
@@ -252,9 +278,9 @@ def _get(model: torch.nn.Module, path: str) -> torch.nn.Module | None:
 # ---- step 2: build and fill -----------------------------------------------------------------------
 def _build(model: torch.nn.Module, target: _Target, snap: Snapshot) -> None:
     original = target.original
+    refuse_wrapped(target.path, original)
     tensors = [*original.parameters(), *original.buffers()]
     device = tensors[0].device if tensors else torch.device("cpu")
-    floating = [p.dtype for p in original.parameters() if p.is_floating_point()]
     try:
         # Same patches as at load time, so replacements nested inside this one are swapped too.
         with swap.LOCK, swap.Swap(snap, (type(model),)), torch.device(device):
@@ -264,34 +290,43 @@ def _build(model: torch.nn.Module, target: _Target, snap: Snapshot) -> None:
             f"Building `{target.replacement_cls.__name__}` for `{target.path}` (key `{target.key}`) failed: "
             f"{type(exc).__name__}: {exc}. The model was left unchanged."
         ) from exc
-    if floating:
-        for p in built.parameters():
-            if p.is_floating_point():
-                p.data = p.data.to(floating[0])
-    built.train(original.training)
-    if device.type != "meta":
-        _fill(model, target, built)
-    if tensors and not any(p.requires_grad for p in original.parameters()):
-        built.requires_grad_(False)
+    with torch.no_grad():
+        filled = _fill(model, target, built)
+        local = {_local(target.path, k): v for k, v in filled.values.items()}
+        sources = {
+            _local(target.path, k): tuple(_local(target.path, s) for s in v)
+            for k, v in filled.sources.items()
+        }
+        unchanged = place_tensors(target.path, original, built, local, sources)
+    copy_modes(original, built)
+    target.hooks = plan_hooks(target.path, original, built, unchanged)
+    target.records, target.groups = filled.records, filled.groups
     target.built = built
 
 
-def _fill(model: torch.nn.Module, target: _Target, built: torch.nn.Module) -> None:
+@dataclass
+class _Filled:
+    """The replacement's tensors by global key, the original keys each was made from, and the
+    conversions that made them."""
+
+    values: dict[str, torch.Tensor]
+    sources: dict[str, tuple[str, ...]]
+    records: list[ConversionRecord] = field(default_factory=list)
+    groups: list[Group] = field(default_factory=list)
+
+
+def _fill(model: torch.nn.Module, target: _Target, built: torch.nn.Module) -> _Filled:
     prefix = target.path + "."
-    wanted = {prefix + k: v.shape for k, v in built.state_dict().items()}
-    live = {prefix + k: v for k, v in target.original.state_dict().items()}
+    wanted = {prefix + k: v.shape for k, v in raw_state(built).items()}
+    live = {prefix + k: v.detach() for k, v in raw_state(target.original).items()}
     failures: list[str] = []
     for source_of in (_as_is, _registered, _from_checkpoint_layout):
         attempt = source_of(model, target, live, wanted)
         if attempt is None:
             continue
-        values, records = attempt
-        problem = _coverage_problem(values, wanted)
+        problem = _coverage_problem(attempt.values, wanted)
         if problem is None:
-            with torch.no_grad():
-                built.load_state_dict({k[len(prefix) :]: v for k, v in values.items()}, strict=True)
-            target.records = records
-            return
+            return attempt
         failures.append(problem)
     raise ConversionError(
         f"Cannot carry the weights of `{target.path}` (`{type(target.original).__qualname__}`) into "
@@ -301,29 +336,51 @@ def _fill(model: torch.nn.Module, target: _Target, built: torch.nn.Module) -> No
     )
 
 
-_Attempt = tuple[dict[str, torch.Tensor], list[ConversionRecord]] | None
+def _as_is(model: torch.nn.Module, target: _Target, live: dict, wanted: dict) -> _Filled | None:
+    return _Filled(dict(live), {k: (k,) for k in live})
 
 
-def _as_is(model: torch.nn.Module, target: _Target, live: dict, wanted: dict) -> _Attempt:
-    return dict(live), []
-
-
-def _registered(model: torch.nn.Module, target: _Target, live: dict, wanted: dict) -> _Attempt:
+def _registered(model: torch.nn.Module, target: _Target, live: dict, wanted: dict) -> _Filled | None:
     converters = _converters_for(model, target.path)
     if not converters:
         return None
-    return _convert(converters, live, wanted)
+    return _convert(target.path, converters, live, wanted)
 
 
-def _from_checkpoint_layout(model: torch.nn.Module, target: _Target, live: dict, wanted: dict) -> _Attempt:
+def _from_checkpoint_layout(
+    model: torch.nn.Module, target: _Target, live: dict, wanted: dict
+) -> _Filled | None:
     """Undo transformers' own load-time conversion (fused experts), then apply the registered one."""
     checkpoint = _revert_builtin(model, live)
     if checkpoint is None or set(checkpoint) == set(live):
         return None
+    origin = _checkpoint_origins(model, live, checkpoint)
     converters = _converters_for(model, target.path)
     if not converters:
-        return dict(checkpoint), []
-    return _convert(converters, checkpoint, wanted)
+        return _Filled(dict(checkpoint), origin)
+    filled = _convert(target.path, converters, checkpoint, wanted)
+    filled.sources = {
+        k: tuple(dict.fromkeys(o for s in srcs for o in origin[s])) for k, srcs in filled.sources.items()
+    }
+    return filled
+
+
+def _checkpoint_origins(
+    model: torch.nn.Module, live: dict[str, torch.Tensor], checkpoint: dict[str, torch.Tensor]
+) -> dict[str, tuple[str, ...]]:
+    """The live keys each checkpoint-layout tensor comes from, found by reverting each live tensor
+    alone (transformers' revert copies, so storage cannot tell); where that does not say, every
+    live tensor of the module (so their states must agree)."""
+    found: dict[str, list[str]] = {}
+    for key in live:
+        try:
+            alone = _revert_builtin(model, {key: live[key]}) or {}
+        except Exception:  # a reverse that needs other tensors too: no answer from this one
+            alone = {}
+        for made in alone:
+            if made in checkpoint:
+                found.setdefault(made, []).append(key)
+    return {key: tuple(found.get(key) or live) for key in checkpoint}
 
 
 def _revert_builtin(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
@@ -365,28 +422,38 @@ def _converters_for(model: torch.nn.Module, path: str) -> list[Any]:
 
 
 def _convert(
-    converters: list[Any], source: dict[str, torch.Tensor], wanted: dict[str, torch.Size]
-) -> _Attempt:
+    path: str, converters: list[Any], source: dict[str, torch.Tensor], wanted: dict[str, torch.Size]
+) -> _Filled:
     plan = plan_groups(converters, wanted, {k: v.shape for k, v in source.items()}, strict_sources=False)
-    values: dict[str, torch.Tensor] = {}
+    filled = _Filled({}, {})
     consumed: set[str] = set()
-    records = []
     for group in plan.groups:
+        # Tensors of several dtypes or devices cannot become one exactly: refuse before converting.
+        local = {_local(path, k): source[k] for k in group.flat_sources}
+        same_dtype_and_device(path, _local(path, group.flat_targets[0]), local)
         tensors = [[source[k] for k in keys] for keys in group.sources]
         shapes = [[wanted[k] for k in keys] for keys in group.targets]
         out = run_convert(group, tensors, shapes)
         for keys, produced in zip(group.targets, out):
-            values.update(zip(keys, produced))
+            filled.values.update(zip(keys, produced))
+            filled.sources.update((k, tuple(group.flat_sources)) for k in keys)
         consumed.update(group.flat_sources)
-        records.append(
+        filled.groups.append(group)
+        filled.records.append(
             ConversionRecord(
                 repr(group.converter), tuple(group.flat_sources), tuple(group.flat_targets), "graft"
             )
         )
     for key, tensor in source.items():
-        if key not in consumed and key not in values:
-            values[key] = tensor
-    return values, records
+        if key not in consumed and key not in filled.values:
+            filled.values[key] = tensor
+            filled.sources[key] = (key,)
+    return filled
+
+
+def _local(path: str, key: str) -> str:
+    """``key`` relative to the module at ``path`` (as it is when it lies elsewhere: a checkpoint key)."""
+    return key[len(path) + 1 :] if key.startswith(path + ".") else key
 
 
 def _coverage_problem(values: dict[str, torch.Tensor], wanted: dict[str, torch.Size]) -> str | None:
@@ -406,10 +473,11 @@ def _coverage_problem(values: dict[str, torch.Tensor], wanted: dict[str, torch.S
     return None
 
 
-# ---- step 3: swap ---------------------------------------------------------------------------------
+# ---- step 3: swap (nothing here can fail) ---------------------------------------------------------
 def _swap_in(model: torch.nn.Module, targets: list[_Target]) -> None:
     for target in targets:
         parent_path, _, name = target.path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         # setattr on an nn.Module (ModuleList included) replaces the registered child in place.
         setattr(parent, name, target.built)
+        move_hooks(target.hooks)

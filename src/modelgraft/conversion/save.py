@@ -5,6 +5,11 @@ and shapes. For a model that was never loaded (``from_config``, manual construct
 original keys and shapes come from building the original, unpatched model class on the
 ``meta`` device (no memory, no patches active).
 
+A model grafted in place (``graft_model``) carries what each graft did (:func:`remember_graft`):
+the groups that converted its weights, undone first, newest graft first, and the conversion
+entries in effect when it was grafted, which then apply as for a load-time graft. So the
+original layout is written whatever is registered at save time.
+
 Example:
     >>> import torch
     >>> from modelgraft.conversion.save import reverse_state_dict
@@ -16,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -25,7 +30,10 @@ from modelgraft.conversion._plan import Group, plan_groups, run_reverse
 from modelgraft.conversion.load import STATE_ATTR, ConversionState, Scope, resolve_scopes, scope_for
 from modelgraft.report import ConversionRecord, _report_for
 
-__all__ = ["original_shapes", "reverse_state_dict"]
+__all__ = ["GRAFT_ATTR", "original_shapes", "remember_graft", "reverse_state_dict"]
+
+#: The conversion groups of each ``graft_model`` call on a model, oldest first.
+GRAFT_ATTR = "_modelgraft_graft_stages"
 
 
 @contextlib.contextmanager
@@ -82,48 +90,109 @@ def _plan_missing_groups(
     return groups
 
 
-def reverse_state_dict(
-    model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]
-) -> tuple[dict[str, torch.Tensor], list[str], list[Scope]] | None:
-    """Reverse the model's conversions in ``state_dict``.
+def remember_graft(model: torch.nn.Module, groups: Sequence[Group], scopes: Sequence[Scope]) -> None:
+    """Record on ``model`` what ``graft_model`` just did to it, so that saving undoes it exactly.
 
-    Returns ``(converted, untouched_keys, scopes)``: ``converted`` maps original keys to tensors
-    (in the state dict's order), ``untouched_keys`` are the keys no conversion covers. ``None``
-    when no conversion entry applies to the model.
-
-    Raises:
-        IrreversibleConversionError: an operation without a reverse.
+    ``groups`` are the conversion groups that filled the replacements (global keys, with the source
+    shapes); ``scopes`` the conversion entries in effect for the graft. A model without conversion
+    state gets these scopes; one that has some (a load-time graft) keeps its own and gains scopes
+    only for sub-models it had none for: its scopes describe its checkpoint, which is what the
+    undone graft leaves.
     """
-    state = _state(model)
+    state = model.__dict__.get(STATE_ATTR)
     if state is None:
-        return None
-    keys = list(state_dict)
-    present = set(keys)
-    groups = [g for g in state.groups if all(k in present for k in g.flat_targets)]
-    covered = {k for g in groups for k in g.flat_targets}
-    groups += _plan_missing_groups(model, state.scopes, keys, covered)
+        state = ConversionState(scopes=list(scopes))
+    else:
+        known = {s.path for s in state.scopes}
+        extra = [s for s in scopes if s.path not in known]
+        if extra:
+            state = ConversionState([*state.scopes, *extra], list(state.groups), state.loaded)
+    object.__setattr__(model, STATE_ATTR, state)
+    if groups:
+        stages = [*model.__dict__.get(GRAFT_ATTR, ()), tuple(groups)]
+        object.__setattr__(model, GRAFT_ATTR, stages)
+
+
+def _undo_stage(
+    model: torch.nn.Module, stage: Sequence[Group], work: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``work`` with the groups of one in-place graft reversed (each where all its targets are present)."""
+    groups = [g for g in stage if all(k in work for k in g.flat_targets)]
     if not groups:
-        return {}, keys, state.scopes
+        return work
     first_target = {g.flat_targets[0]: g for g in groups}
     consumed = {k for g in groups for k in g.flat_targets}
-    converted: dict[str, torch.Tensor] = {}
-    untouched: list[str] = []
     rep = _report_for(model)
-    for key in keys:
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in work.items():
         group = first_target.get(key)
         if group is not None:
-            tensors = [[state_dict[k] for k in ks] for ks in group.targets]
-            out = run_reverse(group, tensors)
-            for names, values in zip(group.sources, out):
-                for name, value in zip(names, values):
-                    # Split outputs stay views of the fused tensor: safetensors writes non-overlapping
-                    # views as they are, and transformers drops tied weights before this step.
-                    converted[name] = value
+            out.update(_reverse_group(group, work))
             rep.conversions.append(
                 ConversionRecord(
                     repr(group.converter), tuple(group.flat_targets), tuple(group.flat_sources), "save"
                 )
             )
         elif key not in consumed:
+            out[key] = tensor
+    return out
+
+
+def _reverse_group(group: Group, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    tensors = [[state_dict[k] for k in ks] for ks in group.targets]
+    out = run_reverse(group, tensors)
+    # Split outputs stay views of the fused tensor: safetensors writes non-overlapping views as
+    # they are, and transformers drops tied weights before this step. A non-contiguous view (the
+    # reverse of a `Transpose`) is copied: it would be anyway to be written, and transformers 4.57
+    # cannot check views sharing a storage for overlap unless they are contiguous.
+    return {
+        name: value if value.is_contiguous() else value.contiguous()
+        for names, values in zip(group.sources, out)
+        for name, value in zip(names, values)
+    }
+
+
+def reverse_state_dict(
+    model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], list[str], list[Scope]] | None:
+    """Reverse the model's conversions in ``state_dict``.
+
+    Returns ``(converted, untouched_keys, scopes)``: ``converted`` maps original keys to tensors
+    (in the state dict's order), ``untouched_keys`` are keys of ``state_dict`` no conversion
+    covers. ``None`` when no conversion entry applies to the model.
+
+    Raises:
+        IrreversibleConversionError: an operation without a reverse.
+    """
+    stages = model.__dict__.get(GRAFT_ATTR) or []
+    state = _state(model)
+    if state is None:
+        return None
+    work = dict(state_dict)
+    for stage in reversed(stages):  # newest graft first: each one undoes onto the layout before it
+        work = _undo_stage(model, stage, work)
+    keys = list(work)
+    present = set(keys)
+    groups = [g for g in state.groups if all(k in present for k in g.flat_targets)]
+    covered = {k for g in groups for k in g.flat_targets}
+    groups += _plan_missing_groups(model, state.scopes, keys, covered)
+    first_target = {g.flat_targets[0]: g for g in groups}
+    consumed = {k for g in groups for k in g.flat_targets}
+    converted: dict[str, torch.Tensor] = {}
+    untouched: list[str] = []
+    for key in keys:
+        group = first_target.get(key)
+        if group is not None:
+            converted.update(_reverse_group(group, work))
+            _report_for(model).conversions.append(
+                ConversionRecord(
+                    repr(group.converter), tuple(group.flat_targets), tuple(group.flat_sources), "save"
+                )
+            )
+        elif key in consumed:
+            continue
+        elif key in state_dict and work[key] is state_dict[key]:
             untouched.append(key)
+        else:  # made by undoing an in-place graft: not in the caller's state dict
+            converted[key] = work[key]
     return converted, untouched, state.scopes
