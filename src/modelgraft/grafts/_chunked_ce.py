@@ -37,12 +37,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from modelgraft.errors import GraftError
 
-__all__ = ["DEFAULT_CHUNK_ELEMENTS", "LogitTransform", "LossInputError", "default_chunk_size", "linear_cross_entropy"]
+__all__ = [
+    "DEFAULT_CHUNK_ELEMENTS",
+    "DoubleBackwardError",
+    "LogitTransform",
+    "LossInputError",
+    "default_chunk_size",
+    "linear_cross_entropy",
+]
 
 #: A chunk holds at most this many logits (64 MiB in float32) unless a chunk size is given.
 DEFAULT_CHUNK_ELEMENTS = 1 << 24
@@ -50,6 +56,10 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 24
 
 class LossInputError(GraftError, ValueError):
     """Labels or arguments that the chunked loss cannot take (``modelgraft.grafts``)."""
+
+
+class DoubleBackwardError(GraftError, RuntimeError):
+    """A backward with ``create_graph=True`` through the chunked loss (its gradients are precomputed)."""
 
 
 @dataclass(frozen=True)
@@ -184,7 +194,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk: int,
         loss_dtype: torch.dtype,
     ) -> torch.Tensor:
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        needs = (
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+            bias is not None and ctx.needs_input_grad[2],
+        )
         # The gradient of the division, taken before the matmuls as plain autograd does; an
         # ignored row stays exactly zero even when it is infinite (nothing counted, divisor 0).
         total, grad_h, grad_w, grad_b = _chunks(
@@ -198,8 +212,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return total / divisor
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():
+            # The gradients were computed in forward, outside autograd: a graph of them would hold
+            # no dependence on the inputs, so second derivatives would silently be zero.
+            raise DoubleBackwardError(
+                "The chunked LM loss does not support `create_graph=True` (second derivatives, gradient "
+                "penalties): its gradients are computed in forward. Call the model with `skip_logits=False` "
+                "for this step to use the plain loss."
+            )
         grad_h, grad_w, grad_b = ctx.saved_tensors
         scaled = tuple(None if g is None else g * grad_output.to(g.dtype) for g in (grad_h, grad_w, grad_b))
         return (*scaled, None, None, None, None, None, None)
@@ -274,5 +295,7 @@ def linear_cross_entropy(
         return _LinearCrossEntropy.apply(
             hidden, weight, bias, targets, divisor, transform, ignore_index, chunk, loss_dtype
         )
-    total, *_ = _chunks(hidden, weight, bias, targets, transform, ignore_index, chunk, None, (False,) * 3, loss_dtype)
+    total, *_ = _chunks(
+        hidden, weight, bias, targets, transform, ignore_index, chunk, None, (False,) * 3, loss_dtype
+    )
     return total / divisor

@@ -50,12 +50,13 @@ from torch.nn.modules import module as _torch_module
 
 from modelgraft.errors import UnsupportedFamilyError
 from modelgraft.grafts._bundle import Graft, _Part, original_class
-from modelgraft.grafts._chunked_ce import LossInputError, linear_cross_entropy
+from modelgraft.grafts._chunked_ce import DoubleBackwardError, LossInputError, linear_cross_entropy
 from modelgraft.grafts._lm_head_source import HeadSpec, read_head
 from modelgraft.grafts._pickling import RECIPE_ATTR, GraftedClass
 
 __all__ = [
     "CHUNKED_LM_LOSS_FAMILIES",
+    "DoubleBackwardError",
     "LossInputError",
     "chunked_lm_loss",
     "chunked_lm_loss_class",
@@ -136,7 +137,9 @@ def _with_skip_logits(signature: inspect.Signature) -> inspect.Signature:
     pass; the grafted forward must advertise the same parameters.
     """
     params = [p for p in signature.parameters.values() if p.name != "skip_logits"]
-    extra = inspect.Parameter("skip_logits", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="bool | None")
+    extra = inspect.Parameter(
+        "skip_logits", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="bool | None"
+    )
     at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
     return signature.replace(parameters=[*params[:at], extra, *params[at:]])
 
@@ -145,7 +148,9 @@ def _why_plain(model: nn.Module, spec: HeadSpec) -> str | None:
     """Why the chunked loss cannot stand in for this model's head right now (``None`` if it can)."""
     head = getattr(model, "lm_head", None)
     if type(head) is not nn.Linear or "forward" in head.__dict__:
-        return f"`lm_head` is a `{type(head).__name__}`, not a plain `nn.Linear` (quantized, adapted or wrapped)"
+        return (
+            f"`lm_head` is a `{type(head).__name__}`, not a plain `nn.Linear` (quantized, adapted or wrapped)"
+        )
     if head._forward_hooks or head._forward_pre_hooks or head._backward_hooks or head._backward_pre_hooks:
         return "`lm_head` has hooks (offloading, sharding or user hooks) that a chunked matmul would skip"
     if any(getattr(_torch_module, n, None) for n in ("_global_forward_hooks", "_global_forward_pre_hooks")):
@@ -153,7 +158,11 @@ def _why_plain(model: nn.Module, spec: HeadSpec) -> str | None:
     for name, tensor in (("weight", head.weight), ("bias", head.bias)):
         if tensor is None:
             continue
-        if type(tensor) not in (nn.Parameter, torch.Tensor) or not tensor.is_floating_point() or tensor.is_meta:
+        if (
+            type(tensor) not in (nn.Parameter, torch.Tensor)
+            or not tensor.is_floating_point()
+            or tensor.is_meta
+        ):
             return f"`lm_head.{name}` is a `{type(tensor).__name__}` of dtype `{tensor.dtype}`, not a plain floating tensor"
     vocab = spec.vocab_size(model)
     if head.weight.shape[0] != vocab:
@@ -325,7 +334,9 @@ def _check_chunk_size(chunk_size: int | None) -> int | None:
     if chunk_size is None:
         return None
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise LossInputError(f"`chunk_size` must be a positive number of tokens or None; received {chunk_size!r}.")
+        raise LossInputError(
+            f"`chunk_size` must be a positive number of tokens or None; received {chunk_size!r}."
+        )
     return chunk_size
 
 
