@@ -199,8 +199,8 @@ def test_autocast_matches_plain_autocast() -> None:
 
 
 def test_default_chunk_size_bounds_the_chunk_logits() -> None:
-    assert default_chunk_size(65536) * 65536 == 1 << 24
-    assert default_chunk_size(151936) == 110
+    assert default_chunk_size(65536) * 65536 == 1 << 25
+    assert default_chunk_size(151936) == 220
     assert default_chunk_size(1 << 30) == 1
 
 

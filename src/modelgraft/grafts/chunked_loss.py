@@ -345,7 +345,7 @@ def chunked_lm_loss_class(causal_lm_class: type, chunk_size: int | None = None) 
 
     Args:
         causal_lm_class: ``LlamaForCausalLM``, ``Qwen2MoeForCausalLM``, ...
-        chunk_size: tokens per chunk; default: as many as fit 2**24 logits (256 at a 64k vocabulary).
+        chunk_size: tokens per chunk; default: as many as fit 2**25 logits (512 at a 64k vocabulary).
 
     Raises:
         UnsupportedFamilyError: the class's forward does something with the logits that the chunked
