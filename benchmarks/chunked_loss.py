@@ -144,7 +144,7 @@ def main() -> None:
     parser.add_argument(
         "--chunk-size", type=int, default=None, help="tokens per chunk (default: the graft's)"
     )
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--device", default="cpu")
