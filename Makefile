@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/replay_overhead.py
 	$(PY) benchmarks/grafts_speed.py
 	$(PY) benchmarks/inspect_speed.py
+	$(PY) benchmarks/chunked_loss.py
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) .pytest_cache .ruff_cache .bench-cache
