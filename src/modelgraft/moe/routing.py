@@ -35,9 +35,7 @@ from modelgraft.errors import RoutingError
 from modelgraft.moe._discovery import MoELayer, find_moe_layers, unsupported_reason
 from modelgraft.moe._intercept import _Site, hook_scope, unhook_scope
 from modelgraft.moe._layout import ForwardLog
-from modelgraft.moe.trace import RoutingTrace
-
-_INTEGER_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+from modelgraft.moe.trace import RoutingTrace, is_id_dtype
 
 __all__ = ["moe_layers", "record_routing", "replay_routing"]
 
@@ -165,7 +163,7 @@ def _validate(
                 f"{layer_ids}, this model has {expected}."
             )
     for layer, tensor in zip(layers, tensors):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 or tensor.dtype not in _INTEGER_DTYPES:
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 or not is_id_dtype(tensor.dtype):
             got = (
                 f"{tuple(tensor.shape)} {tensor.dtype}"
                 if isinstance(tensor, torch.Tensor)

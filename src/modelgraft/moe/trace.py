@@ -28,7 +28,16 @@ __all__ = ["RoutingTrace"]
 
 _FORMAT = "modelgraft.routing/1"
 _INT32_MAX = 2**31 - 1
-_INTEGER_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+
+
+def is_id_dtype(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` can hold expert ids: integers (signed or not), not bool.
+
+    Example:
+        >>> is_id_dtype(torch.int32), is_id_dtype(torch.uint8), is_id_dtype(torch.bool), is_id_dtype(torch.float16)
+        (True, True, False, False)
+    """
+    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
 
 
 def spread_fill(start: int, count: int, top_k: int, num_experts: int) -> torch.Tensor:
@@ -83,11 +92,7 @@ class RoutingTrace:
                 "pass one id per tensor."
             )
         for lid, tensor in zip(self.layer_ids, self.layers):
-            if (
-                not isinstance(tensor, torch.Tensor)
-                or tensor.dim() != 2
-                or tensor.dtype not in _INTEGER_DTYPES
-            ):
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 or not is_id_dtype(tensor.dtype):
                 got = (
                     f"{tuple(tensor.shape)} {tensor.dtype}"
                     if isinstance(tensor, torch.Tensor)
@@ -313,7 +318,7 @@ def _check_names(path: Any, names: list[str], expected: list[str]) -> None:
 
 
 def _read_layer(path: Any, name: str, tensor: torch.Tensor, fields: dict[str, Any]) -> torch.Tensor:
-    if tensor.dtype not in _INTEGER_DTYPES:
+    if not is_id_dtype(tensor.dtype):
         raise RoutingError(
             f"`{path}`: tensor `{name}` holds `{tensor.dtype}` ids; expected integers (int32)."
         )
