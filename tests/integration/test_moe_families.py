@@ -10,8 +10,10 @@ from functools import cache
 
 import pytest
 import torch
+from moe_helpers import ExpertInputs
 
 from _versions import MIN_MOE_FAMILIES, MIN_MOE_FAMILIES_RUNNING
+from families import Family, family_params
 from modelgraft.errors import RoutingError
 from modelgraft.moe import _intercept, moe_layers, record_routing, replay_routing
 from modelgraft.moe._families import build_tiny, moe_model_types
@@ -103,22 +105,20 @@ def _parent_of(model: torch.nn.Module, name: str) -> torch.nn.Module:
 
 
 @pytest.fixture
-def selections(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(layer, indices, scores) of every expert-selection top-k, as the family's code received them."""
-    captured: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+def selections(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, (indices, scores) of its expert selection (the last selection-shaped top-k of the
+    layer's forward), as the family's code received them."""
+    captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     original = _intercept._SelectionMode._topk
 
     def spy(self, func, args, kwargs):
-        already = self.site.selected
+        before = self.site.candidates
         out = original(self, func, args, kwargs)
-        if not already and self.site.selected:
+        if self.site.candidates > before:
             k = self.site.layer.top_k
-            captured.append(
-                (
-                    self.site.layer.name,
-                    out.indices.detach().reshape(-1, k),
-                    out.values.detach().reshape(-1, k),
-                )
+            captured[self.site.layer.name] = (
+                out.indices.detach().reshape(-1, k),
+                out.values.detach().reshape(-1, k),
             )
         return out
 
@@ -132,7 +132,7 @@ def test_family_discovery_finds_the_installed_families() -> None:
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_replay_contract(model_type: str, selections: list) -> None:
+def test_replay_contract(model_type: str, selections: dict) -> None:
     model = _model_or_skip(model_type)
     layers = moe_layers(model)
     ids = torch.randint(1, 128, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
@@ -159,7 +159,7 @@ def test_replay_contract(model_type: str, selections: list) -> None:
     assert torch.equal(replayed, reference)
     before = list(seen)
     seen.clear()
-    selected_before = list(selections)
+    selected_before = dict(selections)
     selections.clear()
 
     # Perturbed router: same experts, different routing weights, and the router gets a gradient.
@@ -185,8 +185,7 @@ def test_replay_contract(model_type: str, selections: list) -> None:
     assert not torch.equal(out.detach(), reference)
     # What the family's own code got back from its selection: the recorded experts, live scores.
     # (Keyed by layer: execution order may differ from module order, e.g. JetMoE's attention experts.)
-    by_name_before = {name: (idx, score) for name, idx, score in selected_before}
-    by_name_after = {name: (idx, score) for name, idx, score in selections}
+    by_name_before, by_name_after = selected_before, selections
     assert len(selected_before) == len(selections) == len(layers)
     for layer, routes in zip(layers, trace):
         (idx_b, score_b), (idx_a, score_a) = by_name_before[layer.name], by_name_after[layer.name]
@@ -213,3 +212,79 @@ def test_at_least_30_families_run() -> None:
     for model_type, reason in skipped.items():
         print(f"  {model_type}: {reason}")
     assert len(usable) >= MIN_MOE_FAMILIES_RUNNING  # 30 on transformers 5.23, 17 on 4.57
+
+
+def _group_size(layer) -> int:
+    """Experts per group of a group-limited router (DeepSeek-V3 style), else the expert count."""
+    groups = next(
+        (
+            getattr(module, attr)
+            for module in (layer.router, layer.scope)
+            for attr in ("num_group", "n_group")
+            if isinstance(getattr(module, attr, None), int)
+        ),
+        1,
+    )
+    return layer.num_experts // groups
+
+
+def shifted(layers, routes: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every token sent to other experts than natively, within the router's group limit: each id moves
+    by one group (group-limited routers with several groups) or by one expert."""
+    out = []
+    for layer, ids in zip(layers, routes, strict=True):
+        size = _group_size(layer)
+        step = size if size < layer.num_experts else 1
+        out.append((ids + step) % layer.num_experts)
+    return out
+
+
+def _check_forced_ids_reach_the_experts(model: torch.nn.Module, ids: torch.Tensor, name: str) -> None:
+    layers = moe_layers(model)
+    try:
+        with record_routing(model) as native, torch.no_grad():
+            reference = _out(model, ids)
+    except RoutingError:
+        raise
+    except Exception as exc:
+        with torch.no_grad():
+            try:
+                _out(model, ids)
+            except Exception as plain:
+                pytest.skip(f"{name}: plain forward fails when tiny: {type(plain).__name__}: {plain}"[:300])
+        raise AssertionError(f"{name} runs plainly but fails while recording") from exc
+    forced = shifted(layers, list(native))
+    for layer, a, b in zip(layers, native, forced):
+        assert not torch.equal(a, b), layer.name
+    with ExpertInputs(model) as received, replay_routing(model, forced), torch.no_grad():
+        out = _out(model, ids)
+    received.assert_matches(forced)
+    assert out.shape == reference.shape and out.dtype == reference.dtype
+    assert bool(torch.isfinite(out).all()) == bool(torch.isfinite(reference).all())
+    assert not torch.equal(out, reference), "other experts must give other outputs"
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_replay_forces_ids_that_differ_from_the_native_ones(model_type: str) -> None:
+    """Issue 10, point 1: the experts receive the trace's ids, not the native ones, in every family."""
+    model = _model_or_skip(model_type)
+    ids = torch.randint(1, 128, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    _check_forced_ids_reach_the_experts(model, ids, model_type)
+
+
+@pytest.mark.parametrize("family", family_params(kinds={"moe"}))
+def test_replay_forces_ids_on_the_family_table(family: Family) -> None:
+    """The same on tests/families.py's tiny configs (one expert group, top-2: the DeepSeek-V3 trap)."""
+    model = family.causal_lm().eval()
+    try:
+        layers = moe_layers(model)
+    except RoutingError as exc:
+        pytest.skip(f"{family.model_type}: {exc}")
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in layers:
+            for tensor in [*layer.router.parameters(), *layer.router.buffers()]:
+                if tensor.is_floating_point():
+                    tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.5)
+    ids = family.inputs(model.config, batch=BATCH, seq=SEQ)["input_ids"]
+    _check_forced_ids_reach_the_experts(model, ids, family.model_type)

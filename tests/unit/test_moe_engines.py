@@ -211,3 +211,33 @@ def test_join_routes_errors_name_the_problem(parts, message: str) -> None:
     whole, _ = _turns(6, [])
     with pytest.raises(RoutingError, match=message):
         join_routes(parts(whole))
+
+
+# ---- issue 10, point 15: malformed SGLang payloads
+@pytest.mark.parametrize(
+    ("payload", "match"),
+    [
+        ("AAAA*AAA", r"request 0 is not valid base64"),
+        ("AAAAA", r"request 0 is not valid base64"),
+        (
+            base64.b64encode(b"\x01\x00\x00\x00\x02\x00").decode(),
+            r"request 0 decodes to 6 bytes, not a whole number of int32",
+        ),
+        ("", r"request 0 is empty"),
+        (3.5, r"request 0 must be a base64 string"),
+        ({"other": "AAAA"}, r"Request 0's `meta_info` has no `routed_experts`"),
+    ],
+)
+def test_from_sglang_refuses_malformed_payloads(model: torch.nn.Module, payload: object, match: str) -> None:
+    with pytest.raises(RoutingError, match=match):
+        from_sglang([payload], model, input_lengths=[2])
+
+
+def test_from_vllm_refuses_an_all_zero_moe_layer_unless_allowed(model: torch.nn.Module) -> None:
+    engine = _engine_output(LENGTHS)
+    for routes in engine:
+        routes[:, 2] = 0  # layer 2 (MoE) never captured, e.g. another pipeline stage's
+    with pytest.raises(RoutingError, match=r"Every routed expert id of MoE layer `2` is 0 in every request"):
+        from_vllm(engine, model, input_lengths=LENGTHS)
+    trace = from_vllm(engine, model, input_lengths=LENGTHS, allow_all_zero=True)
+    assert not bool(trace[1][:4].any())  # request 0's four routed rows, as sent

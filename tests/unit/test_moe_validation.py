@@ -167,3 +167,60 @@ def test_an_instance_level_forward_is_wrapped_and_put_back(model: nn.Module, tra
         assert scope.__dict__["forward"] is accelerate_like_forward
     finally:
         del scope.forward
+
+
+# ---- issue 10, point 13: ids replay cannot honour, refused before any forward
+def test_duplicate_expert_in_one_token_is_refused(model: nn.Module, trace: RoutingTrace) -> None:
+    bad = [t.clone() for t in trace]
+    bad[1][5] = torch.tensor([3, 3])
+    with pytest.raises(
+        RoutingError, match=r"`model.layers.1.mlp.gate` sends token 5 to expert 3 twice \(row \[3, 3\]\)"
+    ):
+        with replay_routing(model, bad):
+            _run(model)
+    assert all("forward" not in layer.scope.__dict__ for layer in moe_layers(model))
+
+
+@pytest.fixture(scope="module")
+def top1_model() -> nn.Module:
+    model = build_tiny("qwen3_moe", num_experts_per_tok=1)
+    with torch.no_grad():
+        for layer in moe_layers(model):
+            layer.router.weight.normal_(generator=torch.Generator().manual_seed(0))
+    return model
+
+
+def test_all_zero_layer_is_refused_unless_allowed(top1_model: nn.Module) -> None:
+    with torch.no_grad(), record_routing(top1_model) as trace:
+        top1_model(input_ids=torch.arange(1, 9).view(2, 4), use_cache=False)
+    zero = [trace[0], torch.zeros_like(trace[1])]
+    with pytest.raises(
+        RoutingError,
+        match=r"every expert id is 0 in MoE layer `model.layers.1.mlp.gate`.*uncaptured.*allow_all_zero=True",
+    ):
+        with replay_routing(top1_model, zero):
+            _run(top1_model)
+    with torch.no_grad():
+        native = top1_model(input_ids=torch.arange(1, 9).view(2, 4), use_cache=False).logits
+        with replay_routing(top1_model, zero, allow_all_zero=True):
+            forced = top1_model(input_ids=torch.arange(1, 9).view(2, 4), use_cache=False).logits
+    assert torch.isfinite(forced).all()
+    assert not torch.equal(forced, native)  # layer 1 really ran expert 0 for every token
+
+
+def test_all_zero_with_top_k_above_one_is_a_duplicate_even_when_allowed(
+    model: nn.Module, trace: RoutingTrace
+) -> None:
+    zero = [trace[0], torch.zeros_like(trace[1])]
+    with pytest.raises(RoutingError, match=r"every expert id is 0 in MoE layer `model.layers.1.mlp.gate`"):
+        with replay_routing(model, zero):
+            _run(model)
+    with pytest.raises(RoutingError, match=r"`model.layers.1.mlp.gate` sends token 0 to expert 0 twice"):
+        with replay_routing(model, zero, allow_all_zero=True):
+            _run(model)
+
+
+def test_bool_routing_is_rejected(model: nn.Module, trace: RoutingTrace) -> None:
+    with pytest.raises(RoutingError, match=r"`model.layers.0.mlp.gate` must be a 2-D integer tensor"):
+        with replay_routing(model, [t.bool() for t in trace]):
+            pass

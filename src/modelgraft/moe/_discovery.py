@@ -66,6 +66,10 @@ _NUM_EXPERTS_ATTRS = (
     "moe_num_experts",
 )
 
+# Group-limited routers (DeepSeek-V3 style) keep `topk_group` of `n_group` expert groups per token.
+# Only the router and its block are read: a config may carry group fields its family ignores.
+_N_GROUP_ATTRS = ("num_group", "n_group")
+
 # Routers whose selection is not one top-k over the experts dimension: replaying them would
 # need family-specific code, which this package deliberately does not carry.
 _UNSUPPORTED = {
@@ -93,6 +97,9 @@ class MoELayer:
         scope: the module whose forward performs the final expert selection (the router or its parent).
         top_k: experts selected per token.
         num_experts: experts to choose from.
+        n_group: expert groups of a group-limited router (DeepSeek-V3 style), read from the router or
+            its block (``num_group``/``n_group``); ``None`` for routers without groups.
+        topk_group: groups such a router keeps per token (``topk_group``), else ``None``.
     """
 
     name: str
@@ -101,6 +108,8 @@ class MoELayer:
     scope: nn.Module
     top_k: int
     num_experts: int
+    n_group: int | None = None
+    topk_group: int | None = None
 
 
 def unsupported_reason(router: nn.Module) -> str | None:
@@ -147,7 +156,9 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
         scope = module if _calls_topk(type(module)) else parent
         numbers = re.findall(r"(?:^|\.)(\d+)(?:\.|$)", name)
         layer_id = int(numbers[0]) if numbers else len(found)
-        found.append(MoELayer(name, layer_id, module, scope, top_k, num_experts))
+        n_group = _int_attr((module, parent), _N_GROUP_ATTRS)
+        topk_group = _int_attr((module, parent), ("topk_group",)) if n_group is not None else None
+        found.append(MoELayer(name, layer_id, module, scope, top_k, num_experts, n_group, topk_group))
     return found
 
 

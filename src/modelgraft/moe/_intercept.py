@@ -1,14 +1,26 @@
 """Catch the expert-selection ``topk`` of one MoE layer while its forward runs.
 
-While the hooked module's forward runs, a ``TorchFunctionMode`` sees every torch call. The final
-expert selection is the ``topk`` whose ``k`` is the layer's top-k over a last dimension of
-``num_experts``; in record mode its indices are kept, in replay mode it returns the forced indices
-with values gathered from the very tensor the family passed in, so softmax, renormalisation, bias
-and scaling around it run exactly as the family wrote them and gradients flow as usual.
+While the hooked module's forward runs, a ``TorchFunctionMode`` sees every torch call. A *candidate*
+is a ``topk`` whose ``k`` is the layer's top-k over a last dimension of ``num_experts``; the expert
+selection is the **last** candidate of the forward call (the one whose result the experts get). In
+record mode the last candidate's indices are kept; in replay mode every candidate returns the
+forced indices, with values gathered from the very tensor the family passed in, so softmax,
+renormalisation, bias and scaling around it run exactly as the family wrote them and gradients
+flow as usual. Forcing each candidate is what makes the last one forced whatever the shapes are.
 
-Group-limited routers (DeepSeek-V3 style) first pick ``topk_group`` of ``n_group`` groups. In
-replay that pick is steered so the groups holding the forced experts always win (ties broken by
-the live scores), which keeps the forced experts unmasked even after the router weights moved.
+A forward with more than one candidate is accepted only where the earlier one cannot change the
+selection: group-limited routers (DeepSeek-V3 style) with one group (their per-group ``topk(2)``
+runs over all experts, and picking one group of one is trivial) or with one expert per group (the
+group pick itself is a top-k over the experts, and forcing it keeps exactly the forced groups).
+Any other forward with several candidates is refused with a :class:`RoutingError` naming the layer.
+
+Group-limited routers first pick ``topk_group`` of ``n_group`` groups. In replay that pick is
+steered so the groups holding the forced experts always win (ties broken by the live scores), which
+keeps the forced experts unmasked even after the router weights moved. A token whose forced experts
+lie in more groups than the router keeps gets the best of those groups by live score (what the
+family itself does when it selects outside its groups, e.g. AXK2, whose mask is ``0.0``); a forced
+expert left with a non-finite score (DeepSeek-V3 masks with ``-inf``) is refused, since the family
+can never select it.
 
 Example:
     >>> import torch
@@ -40,9 +52,12 @@ class _Site:
     def __init__(self, layer: MoELayer) -> None:
         self.layer = layer
         self.forced: torch.Tensor | None = None  # replay: (num_tokens, top_k) long
+        self.batch_size: int | None = None  # replay: sequences in the trace, when its layout is known
         self.recorded: list[torch.Tensor] | None = None  # record: one tensor per forward call
         self.consumed = False
-        self.selected = False  # set per forward call
+        self.candidates = 0  # per forward call: top-k calls shaped like the selection
+        self.pending: torch.Tensor | None = None  # per forward call (record): the last candidate's indices
+        self.groups: tuple[int, int, torch.Tensor] | None = None  # per call (replay): kept, groups, spread
         self.previous_forward: Any = None  # an instance-level forward found when hooking
 
 
@@ -55,39 +70,98 @@ class _SelectionMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in _TOPK and not self.site.selected:
+        if func in _TOPK:
             return self._topk(func, args, kwargs)
         return func(*args, **kwargs)
 
     def _topk(self, func: Any, args: tuple, kwargs: dict) -> Any:
         inp, k, dim, largest = _topk_args(args, kwargs)
-        layer = self.site.layer
+        site, layer = self.site, self.site.layer
         last = dim in (-1, inp.dim() - 1)
         if not (last and largest):
             return func(*args, **kwargs)
         size = inp.shape[-1]
         rows = inp.numel() // max(size, 1)
-        forced = self.site.forced
+        forced = site.forced
         if k == layer.top_k and size == layer.num_experts:
-            self.site.selected = True
+            site.candidates += 1
             if forced is None:
                 out = func(*args, **kwargs)
-                if self.site.recorded is not None and not _in_backward():
-                    self.site.recorded.append(out.indices.detach().reshape(-1, k).clone())
+                site.pending = out.indices
                 return out
             if forced.shape[0] != rows:
-                raise RoutingError(
-                    f"MoE layer `{layer.name}` routed {rows} tokens but its routing data has "
-                    f"{forced.shape[0]} rows; replay the batch the routing was recorded on (same "
-                    "batch size, sequence length and padding)."
-                )
-            self.site.consumed = True
+                raise RoutingError(_rows_message(site, rows))
+            site.consumed = True
             index = forced.to(inp.device).reshape(*inp.shape[:-1], k)
-            return torch.return_types.topk((inp.gather(-1, index), index))
-        if forced is not None and 1 < size < layer.num_experts and layer.num_experts % size == 0:
-            if rows == forced.shape[0] and k < size:
-                return _steer_groups(inp, k, forced, layer.num_experts // size)
+            values = inp.gather(-1, index)
+            if site.groups is not None:  # only a steered group pick can mask a forced expert
+                _refuse_masked(layer, forced, site.groups, values.detach().reshape(-1, k))
+            return torch.return_types.topk((values, index))
+        if forced is not None and _is_group_pick(layer, size, k, rows, forced):
+            return _steer_groups(inp, k, forced, site)
         return func(*args, **kwargs)
+
+
+def _refuse_masked(
+    layer: MoELayer, forced: torch.Tensor, groups: tuple[int, int, torch.Tensor], values: torch.Tensor
+) -> None:
+    """A forced expert whose selection score is -inf/NaN: masked out of the kept groups."""
+    bad = ~torch.isfinite(values)
+    if not bool(bad.any()):
+        return
+    token, slot = (int(i) for i in bad.nonzero()[0])
+    kept, num_groups, spread = groups
+    row = forced[token].tolist()
+    if int(spread[token]) > kept:
+        raise RoutingError(
+            f"MoE layer `{layer.name}` sends token {token} to experts {row} in {int(spread[token])} groups, but its "
+            f"router keeps topk_group={kept} of {num_groups} groups per token and scores expert {row[slot]} "
+            f"{float(values[token, slot])} outside them, so the family never selects it; record the routing with "
+            "this model's `n_group`/`topk_group`."
+        )
+    raise RoutingError(
+        f"MoE layer `{layer.name}` scores forced expert {row[slot]} of token {token} {float(values[token, slot])} "
+        "in its selection; a non-finite routing score cannot be replayed."
+    )
+
+
+def _rows_message(site: _Site, rows: int) -> str:
+    layer, have = site.layer, site.forced.shape[0] if site.forced is not None else 0
+    message = (
+        f"MoE layer `{layer.name}` routed {rows} tokens but its routing data has {have} rows; replay the "
+        "batch the routing was recorded on (same batch size, sequence length and padding)."
+    )
+    batch = site.batch_size
+    if batch and rows > have and rows % batch == 0 and have % batch == 0:
+        extra = (rows - have) // batch
+        message += (
+            f" The trace covers {batch} sequences of {have // batch} positions and this forward has "
+            f"{rows // batch}: for a forward over all of `generate`'s `sequences` (generate never forwards "
+            f"the last token), replay `trace.append_positions({extra})`."
+        )
+    return message
+
+
+def _is_group_pick(layer: MoELayer, size: int, k: int, rows: int, forced: torch.Tensor) -> bool:
+    """Whether a ``topk`` (not shaped like the selection) picks expert groups of a group-limited router."""
+    if rows != forced.shape[0] or not 1 < size <= layer.num_experts or layer.num_experts % size or k >= size:
+        return False
+    if layer.n_group is not None:
+        return size == layer.n_group
+    return size < layer.num_experts  # a group count modelgraft cannot read: groups are fewer than experts
+
+
+def extra_candidates_harmless(layer: MoELayer, candidates: int) -> bool:
+    """Whether a forward with ``candidates`` selection-shaped top-k calls still selects exactly.
+
+    Example:
+        >>> layer = MoELayer("gate", 0, torch.nn.Identity(), torch.nn.Identity(), 2, 8, n_group=1, topk_group=1)
+        >>> extra_candidates_harmless(layer, 2), extra_candidates_harmless(layer, 3)
+        (True, False)
+    """
+    if candidates == 1:
+        return True
+    return candidates == 2 and layer.n_group in (1, layer.num_experts)
 
 
 def _topk_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, int, int, bool]:
@@ -97,14 +171,21 @@ def _topk_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, int, int, bool]
     return bound["input"], int(bound["k"]), int(bound.get("dim", -1)), bool(bound.get("largest", True))
 
 
-def _steer_groups(scores: torch.Tensor, k: int, forced: torch.Tensor, group_size: int) -> Any:
-    """Top-``k`` groups where groups holding a forced expert always rank first."""
+def _steer_groups(scores: torch.Tensor, k: int, forced: torch.Tensor, site: _Site) -> Any:
+    """Top-``k`` groups where groups holding a forced expert rank first, then by live score.
+
+    When a token's forced experts lie in more than ``k`` groups, the best ``k`` of those groups by
+    live score are kept; the spread is kept on ``site`` so that the selection can refuse a forced
+    expert the family then masks with a non-finite score.
+    """
     flat = scores.reshape(-1, scores.shape[-1])
-    groups = forced.to(scores.device) // group_size
+    num_groups = flat.shape[-1]
+    groups = forced.to(scores.device) // (site.layer.num_experts // num_groups)
     wanted = torch.zeros_like(flat, dtype=torch.bool).scatter_(1, groups, True)
+    site.groups = (k, num_groups, wanted.sum(-1))
     # Rank by live score, then lift the wanted groups above every other group.
     rank = flat.detach().argsort(dim=-1).argsort(dim=-1)
-    key = rank + wanted.to(rank.dtype) * flat.shape[-1]
+    key = rank + wanted.to(rank.dtype) * num_groups
     index = key.topk(k, dim=-1).indices
     values = flat.gather(-1, index)
     shape = (*scores.shape[:-1], k)
@@ -133,15 +214,24 @@ def hook_scope(site: _Site) -> None:
 
     @torch.compiler.disable
     def forward(*args: Any, **kwargs: Any) -> Any:
-        site.selected = False
+        site.candidates, site.pending, site.groups = 0, None, None
         with _SelectionMode(site):
             out = original(*args, **kwargs)
-        if not site.selected:
+        layer = site.layer
+        if not site.candidates:
             raise RoutingError(
-                f"MoE layer `{site.layer.name}` ({type(site.layer.router).__name__}) ran without a top-k "
-                f"over its {site.layer.num_experts} experts with k={site.layer.top_k}; this family "
+                f"MoE layer `{layer.name}` ({type(layer.router).__name__}) ran without a top-k "
+                f"over its {layer.num_experts} experts with k={layer.top_k}; this family "
                 "selects experts another way and cannot be recorded or replayed."
             )
+        if not extra_candidates_harmless(layer, site.candidates):
+            raise RoutingError(
+                f"MoE layer `{layer.name}` ({type(layer.router).__name__}) ran {site.candidates} top-k calls "
+                f"over its {layer.num_experts} experts with k={layer.top_k}; modelgraft cannot tell which one "
+                "selects the experts, so it cannot record or replay this layer exactly."
+            )
+        if site.recorded is not None and site.pending is not None and not _in_backward():
+            site.recorded.append(site.pending.detach().reshape(-1, layer.top_k).clone())
         return out
 
     forward._modelgraft_moe_site = site  # type: ignore[attr-defined]

@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import base64
+import binascii
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,17 +35,14 @@ import torch
 from torch import nn
 
 from modelgraft.errors import RoutingError
-from modelgraft.moe.trace import RoutingTrace
+from modelgraft.moe.trace import RoutingTrace, spread_fill
 
 __all__ = ["from_sglang", "from_vllm", "join_routes", "layout_requests"]
 
 _INT_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32}
 
 
-def _fill(start: int, count: int, top_k: int, num_experts: int) -> torch.Tensor:
-    """Rows ``start .. start+count-1`` of the spread filler (distinct ids within a row when top_k <= E)."""
-    ordinal = torch.arange(start, start + count).unsqueeze(1) * top_k + torch.arange(top_k)
-    return ordinal % num_experts
+_fill = spread_fill
 
 
 def _as_long(array: Any, where: str) -> torch.Tensor:
@@ -144,6 +142,7 @@ def from_vllm(
     moe_layer_ids: Sequence[int] | None = None,
     num_experts: int | None = None,
     num_hidden_layers: int | None = None,
+    allow_all_zero: bool = False,
 ) -> RoutingTrace:
     """Build the trace for the trainer's padded batch from vLLM's per-request ``routed_experts``.
 
@@ -157,13 +156,16 @@ def from_vllm(
         input_lengths: tokens per request (prompt + completion); the batch is padded on ``padding_side``.
         padding_side: ``"right"`` or ``"left"``, used with ``input_lengths``.
         moe_layer_ids, num_experts, num_hidden_layers: override what ``model`` says.
+        allow_all_zero: accept an MoE layer whose every routed id is 0 in every request (an engine
+            reports that for a layer it did not capture, e.g. another pipeline stage's); refused by default.
 
     Returns:
         A :class:`RoutingTrace` with ``batch * seq`` rows per MoE layer, ready for ``replay_routing``.
 
     Raises:
         RoutingError: a row count that is neither ``num_tokens`` nor ``num_tokens - 1``, a layer axis
-            that fits neither all layers nor MoE layers only, ids out of range, a non-integer dtype.
+            that fits neither all layers nor MoE layers only, ids out of range, a non-integer dtype,
+            an MoE layer whose routed ids are all 0 (unless ``allow_all_zero``).
     """
     ids, experts, hidden_layers, model_type = _model_info(model)
     ids = list(moe_layer_ids) if moe_layer_ids is not None else ids
@@ -179,14 +181,18 @@ def from_vllm(
             "by decoder layer cannot say which is which. Build the trace with `layout_requests` instead."
         )
     mask = _mask(attention_mask, input_lengths, padding_side, len(routed_experts))
-    requests = []
+    selected = []
     for i, raw in enumerate(routed_experts):
         arr = _as_long(raw, f"request {i}")
         if arr.dim() != 3:
             raise RoutingError(
                 f"Routed experts of request {i} must be (tokens, layers, top_k); got shape {tuple(arr.shape)}."
             )
-        arr = _select_layers(arr, ids, hidden_layers, i)
+        selected.append(_select_layers(arr, ids, hidden_layers, i))
+    if not allow_all_zero:
+        _refuse_all_zero_layers(selected, ids)
+    requests = []
+    for i, arr in enumerate(selected):
         tokens = int(mask[i].sum())
         if arr.shape[0] == tokens - 1:
             # The last sampled token never ran through the MoE: give it a valid route, using negative
@@ -201,6 +207,22 @@ def from_vllm(
             )
         requests.append(arr)
     return layout_requests(requests, mask, experts, layer_ids=ids, model_type=model_type)
+
+
+def _refuse_all_zero_layers(requests: list[torch.Tensor], ids: list[int]) -> None:
+    """An MoE layer routed to expert 0 only, in every request, is a layer the engine did not capture."""
+    rows = [arr for arr in requests if arr.shape[0]]
+    if not rows:
+        return
+    nonzero = torch.stack([(arr != 0).any(-1).any(0) for arr in rows]).any(0)  # per layer
+    if not bool(nonzero.all()):
+        layer = ids[int((~nonzero).nonzero()[0, 0])]
+        raise RoutingError(
+            f"Every routed expert id of MoE layer `{layer}` is 0 in every request: that is what an engine "
+            "reports for a layer it did not capture (e.g. another pipeline stage's), and replaying it would "
+            "send every token to expert 0. Capture that layer, or pass `allow_all_zero=True` if these routes "
+            "are real."
+        )
 
 
 def join_routes(parts: Sequence[tuple[int, Any]], overlap: str = "check") -> torch.Tensor:
@@ -342,18 +364,46 @@ def from_sglang(
     decoded = []
     for i, item in enumerate(routed_experts):
         if isinstance(item, dict):
-            item = item.get("routed_experts")
+            if "routed_experts" not in item:
+                raise RoutingError(
+                    f"Request {i}'s `meta_info` has no `routed_experts`; start SGLang with "
+                    "`return_routed_experts` and pass each request's `meta_info` (or its `routed_experts`)."
+                )
+            item = item["routed_experts"]
         if isinstance(item, (str, bytes)):
             if top_k is None or layers is None:
                 raise RoutingError(
                     "Decoding SGLang base64 needs `top_k` and `num_hidden_layers` (or `model`)."
                 )
-            flat = torch.frombuffer(bytearray(base64.b64decode(item)), dtype=torch.int32)
-            if flat.numel() % (layers * top_k):
-                raise RoutingError(
-                    f"SGLang payload of request {i} holds {flat.numel()} ids, not a multiple of "
-                    f"num_hidden_layers * top_k = {layers * top_k}."
-                )
-            item = flat.reshape(-1, layers, top_k)
+            item = _decode_sglang(item, i, layers, top_k)
+        elif not hasattr(item, "__array__") and not isinstance(item, (torch.Tensor, list, tuple)):
+            raise RoutingError(
+                f"SGLang routes of request {i} must be a base64 string of int32 (or an array); got "
+                f"`{type(item).__name__}`."
+            )
         decoded.append(item)
     return from_vllm(decoded, model, **kwargs)
+
+
+def _decode_sglang(payload: str | bytes, request: int, layers: int, top_k: int) -> torch.Tensor:
+    """Base64 of little-endian int32 to ``(rows, layers, top_k)``; malformed input is a RoutingError."""
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise RoutingError(
+            f"SGLang payload of request {request} is not valid base64 ({exc}); pass "
+            "`meta_info['routed_experts']` as SGLang returned it."
+        ) from None
+    if not raw:
+        raise RoutingError(f"SGLang payload of request {request} is empty; it holds no routed experts.")
+    if len(raw) % 4:
+        raise RoutingError(
+            f"SGLang payload of request {request} decodes to {len(raw)} bytes, not a whole number of int32 ids."
+        )
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.int32)
+    if flat.numel() % (layers * top_k):
+        raise RoutingError(
+            f"SGLang payload of request {request} holds {flat.numel()} ids, not a multiple of "
+            f"num_hidden_layers * top_k = {layers * top_k}."
+        )
+    return flat.reshape(-1, layers, top_k)

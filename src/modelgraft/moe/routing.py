@@ -34,7 +34,8 @@ from torch import nn
 from modelgraft.errors import RoutingError
 from modelgraft.moe._discovery import MoELayer, find_moe_layers, unsupported_reason
 from modelgraft.moe._intercept import _Site, hook_scope, unhook_scope
-from modelgraft.moe.trace import RoutingTrace
+from modelgraft.moe._layout import ForwardLog
+from modelgraft.moe.trace import RoutingTrace, is_id_dtype
 
 __all__ = ["moe_layers", "record_routing", "replay_routing"]
 
@@ -86,8 +87,16 @@ def record_routing(model: nn.Module) -> Iterator[RoutingTrace]:
     """Record the selected experts of every MoE layer during the forwards run inside the block.
 
     The yielded :class:`RoutingTrace` is filled when the block exits: per MoE layer a
-    ``(num_tokens, top_k)`` long tensor, where ``num_tokens`` is ``batch * seq`` as the router saw it.
-    Several forwards inside one block are concatenated along the token axis, in call order.
+    ``(num_tokens, top_k)`` long tensor laid out like one forward of the tokens that were forwarded:
+
+    * independent forwards (each starting a fresh KV cache, or none) are concatenated along the
+      token axis in call order, each row-major over its batch;
+    * forwards that continue a KV cache (``model.generate(...)``, or a manual decoding loop) are laid
+      out per sequence, then per position, as one forward over ``sequences[:, :-1]`` would route them:
+      ``generate`` never forwards the last token it samples (see
+      :meth:`RoutingTrace.append_positions` for a forward over all of ``sequences``). Padding
+      positions keep the routes the router gave them. ``trace.batch_size`` is then the batch size.
+
     Forwards recomputed by gradient checkpointing during backward are not recorded twice.
 
     Args:
@@ -97,7 +106,9 @@ def record_routing(model: nn.Module) -> Iterator[RoutingTrace]:
         The trace, complete after the block.
 
     Raises:
-        RoutingError: the model has no replayable MoE layer.
+        RoutingError: the model has no replayable MoE layer; a layer selects with several top-k calls
+            that cannot be told apart; a forward continues a KV cache that the block's previous forward
+            did not end; ``generate`` with beam search, assisted decoding or ``use_cache=False``.
     """
     layers = moe_layers(model)
     sites = [_Site(layer) for layer in layers]
@@ -110,12 +121,10 @@ def record_routing(model: nn.Module) -> Iterator[RoutingTrace]:
         num_experts=layers[0].num_experts,
         model_type=_model_type(model),
     )
-    with _hooked(sites):
+    log = ForwardLog(model, sites)
+    with _hooked(sites), log:
         yield trace
-    trace.layers = [
-        torch.cat(site.recorded) if site.recorded else torch.empty(0, site.layer.top_k, dtype=torch.long)
-        for site in sites
-    ]
+    trace.layers, trace.batch_size = log.layout()
     trace.layer_ids = [site.layer.layer_id for site in sites]
     trace.layer_names = [site.layer.name for site in sites]
 
@@ -133,7 +142,9 @@ def _as_tensors(
     return list(routing), None
 
 
-def _validate(layers: list[MoELayer], tensors: list[torch.Tensor], layer_ids: list[int] | None) -> None:
+def _validate(
+    layers: list[MoELayer], tensors: list[torch.Tensor], layer_ids: list[int] | None, allow_all_zero: bool
+) -> None:
     if len(tensors) != len(layers):
         names = ", ".join(f"`{layer.name}`" for layer in layers[:4])
         more = ", ..." if len(layers) > 4 else ""
@@ -152,8 +163,12 @@ def _validate(layers: list[MoELayer], tensors: list[torch.Tensor], layer_ids: li
                 f"{layer_ids}, this model has {expected}."
             )
     for layer, tensor in zip(layers, tensors):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 or tensor.is_floating_point():
-            got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 or not is_id_dtype(tensor.dtype):
+            got = (
+                f"{tuple(tensor.shape)} {tensor.dtype}"
+                if isinstance(tensor, torch.Tensor)
+                else type(tensor).__name__
+            )
             raise RoutingError(
                 f"Routing for MoE layer `{layer.name}` must be a 2-D integer tensor (num_tokens, top_k); got {got}."
             )
@@ -170,31 +185,63 @@ def _validate(layers: list[MoELayer], tensors: list[torch.Tensor], layer_ids: li
                     f"range for its {layer.num_experts} experts (valid: 0..{layer.num_experts - 1}); fill "
                     "missing routes (e.g. -1 sentinels) before replaying."
                 )
+        _refuse_unreal_routes(layer, tensor, allow_all_zero)
+
+
+def _refuse_unreal_routes(layer: MoELayer, tensor: torch.Tensor, allow_all_zero: bool) -> None:
+    """Routes no router produces: an all-zero layer (an uncaptured stage) and a repeated expert."""
+    if not tensor.numel():
+        return
+    if not allow_all_zero and not bool(tensor.any()):
+        raise RoutingError(
+            f"In the routing data, every expert id is 0 in MoE layer `{layer.name}` ({tensor.shape[0]} tokens): that "
+            "is what an uncaptured layer looks like (e.g. a pipeline stage that did not record), and replaying it "
+            "would send every token to expert 0. Capture that layer, or pass `allow_all_zero=True` to "
+            "`replay_routing` if these routes are real."
+        )
+    ordered = tensor.sort(dim=-1).values
+    repeated = ordered[:, 1:] == ordered[:, :-1]
+    if bool(repeated.any()):
+        token, slot = (int(i) for i in repeated.nonzero()[0])
+        raise RoutingError(
+            f"Routing for MoE layer `{layer.name}` sends token {token} to expert {int(ordered[token, slot])} twice "
+            f"(row {tensor[token].tolist()}); a top-k selection holds {layer.top_k} distinct experts. Fix the "
+            "routing data (a constant fill, or ids from another layer?)."
+        )
 
 
 @contextmanager
-def replay_routing(model: nn.Module, routing: RoutingTrace | Sequence[torch.Tensor]) -> Iterator[None]:
+def replay_routing(
+    model: nn.Module, routing: RoutingTrace | Sequence[torch.Tensor], *, allow_all_zero: bool = False
+) -> Iterator[None]:
     """Force every MoE layer to use the given experts during the forwards run inside the block.
 
     Each MoE layer uses its whole routing tensor on each forward call, so a forward recomputed by
     gradient checkpointing gets the same experts. Every layer must consume its routing at least once
-    before the block ends.
+    before the block ends. Exactly the given ids reach the experts, in every family; what a family
+    cannot select exactly is refused.
 
     Args:
         model: the model the routing was recorded on (or one with the same architecture).
         routing: a :class:`RoutingTrace` or a list with one ``(num_tokens, top_k)`` integer tensor per
             MoE layer, in model order.
+        allow_all_zero: accept an MoE layer whose every id is 0. Refused by default: that is what a
+            layer nobody captured looks like (a pipeline stage that did not record).
 
     Raises:
-        RoutingError: wrong number of layers, top-k, an expert id out of range, a token count that does
-            not match the batch (at forward time), or routing left unconsumed when the block ends.
+        RoutingError: wrong number of layers, top-k, an expert id out of range, a non-integer tensor,
+            the same expert twice in one token's row, an all-zero layer (unless ``allow_all_zero``), a
+            token count that does not match the batch (at forward time), experts in more groups than a
+            group-limited router keeps (at forward time), or routing left unconsumed when the block ends.
     """
     layers = moe_layers(model)
     tensors, layer_ids = _as_tensors(routing)
-    _validate(layers, tensors, layer_ids)
+    _validate(layers, tensors, layer_ids, allow_all_zero)
+    batch_size = routing.batch_size if isinstance(routing, RoutingTrace) else None
     sites = [_Site(layer) for layer in layers]
     for site, tensor in zip(sites, tensors):
         site.forced = tensor.long()
+        site.batch_size = batch_size
     with _hooked(sites):
         yield
     unused = [site.layer.name for site in sites if not site.consumed]
