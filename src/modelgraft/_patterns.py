@@ -277,6 +277,10 @@ def backtracking_problem(pattern: str) -> str | None:
         >>> backtracking_problem("(Attention|\\\\w)+!").startswith("alternation repeated by `+`")
         True
     """
+    quantifiers = sum(pattern.count(c) for c in "*+{")  # escaped ones too: over-counting is safe
+    if quantifiers == 0 or (quantifiers == 1 and "|" not in pattern):
+        # Every refused shape needs two quantifiers, or one and an alternation: skip the parse.
+        return None
     parsed = _parser.parse(pattern)
     return _Scan(parsed.state.flags).problem(list(parsed))
 
