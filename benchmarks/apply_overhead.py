@@ -6,7 +6,9 @@ Prints, from one run:
    ``transformers.models.*.modeling_*`` module imported and 10 regex keys registered, for both
    libraries, and the speed-up of modelgraft over the built-in (target: under 1 ms, >= 300x);
 2. the ratio of a tiny Llama ``from_pretrained`` with one patch to the same load without patches,
-   for both libraries (target for modelgraft: <= 1.2x).
+   for both libraries (target for modelgraft: <= 1.2x);
+3. the time to register 2,000 keys one call at a time, exact names and patterns (target: well
+   under a second; each registration costs the same whatever is registered already).
 
 Importing every modeling module takes a while and a few GB of memory; this is a benchmark, never
 a test. Run: ``python benchmarks/apply_overhead.py [--builtin-repeats N] [--loads N]``.
@@ -171,6 +173,27 @@ def main() -> None:
     )
     print(
         f"  built-in:   {patched_theirs * 1e3:.1f} / {plain_theirs * 1e3:.1f} = {patched_theirs / plain_theirs:.2f}x"
+    )
+
+    # ---- 3. registering many keys ---------------------------------------------------------------
+    registration_cost()
+
+
+def register_one_by_one(keys: list[str]) -> float:
+    """Seconds to register ``keys`` one ``register_patch_mapping`` call each (then clear)."""
+    start = time.perf_counter()
+    for key in keys:
+        modelgraft.register_patch_mapping({key: Replacement})
+    elapsed = time.perf_counter() - start
+    modelgraft.clear_patch_mapping()
+    return elapsed
+
+
+def registration_cost(count: int = 2000) -> None:
+    exact = register_one_by_one([f"Block{i}" for i in range(count)])
+    patterns = register_one_by_one([f"^Block{i}(Attention|MLP)$" for i in range(count)])
+    print(
+        f"registering {count} keys one by one: exact names {exact * 1e3:.0f} ms, patterns {patterns * 1e3:.0f} ms"
     )
 
 

@@ -6,7 +6,9 @@
   ``AutoModel*.from_pretrained``/``from_config`` and composite models go through). Each load
   holds :data:`modelgraft.swap.LOCK` from start to end, *also when no patch is active*, so a
   plain load never observes another thread's swap. The load takes one snapshot of the registry
-  and plans the swap once; a nested load (a sub-model built inside the outer one) joins it.
+  (classes, conversions, strictness) when it starts and pins it (``registry.pinned``): its
+  construction, its conversions and its nested loads (sub-models built inside the outer one,
+  which join its swap) read only that snapshot, whatever is registered meanwhile.
 * makes the construction step of those loads (transformers' ``apply_patches()`` call sites) bind
   the replacements, so the swap is live while modules are constructed and not while weights are
   loaded and initialised. transformers' own ``apply_patches`` still runs inside.
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
@@ -49,9 +51,13 @@ class _Load:
         self.swap = swap.Swap(snap, (cls,))
         self.scoped_keys = tuple(k for k, src in snap.sources.items() if src == "scoped")
 
+    @property
+    def grafting(self) -> bool:
+        """Whether modelgraft takes part in this load (a class to replace or a conversion)."""
+        return bool(self.snap) or bool(self.snap.conversions)
+
 
 _active_load: ContextVar[_Load | None] = ContextVar("modelgraft_active_load", default=None)
-_strict: ContextVar[bool] = ContextVar("modelgraft_strict", default=False)
 _wrappers = Wrappers()
 
 
@@ -91,7 +97,8 @@ def patched(
     hide global keys with the same name and scoped patterns are tried before global ones; exact
     keys still win over patterns. With ``strict=True`` a load inside the block raises
     :class:`~modelgraft.StrictModeError` instead of returning a model with problems (and a scoped
-    key that matched nothing is a problem).
+    key that matched nothing is a problem). Blocks nest, and each one removes exactly what it
+    added when it exits, even when nested blocks are exited out of order.
 
     Args:
         mapping: class names or patterns to replacement classes, as for ``register_patch_mapping``.
@@ -107,13 +114,9 @@ def patched(
         >>> get_patch_mapping()
         {}
     """
-    scoped_conversions = _scoped_conversions(conversions)
-    token = _strict.set(strict or _strict.get())
-    try:
-        with registry.scoped(mapping) as snap, scoped_conversions:
-            yield snap
-    finally:
-        _strict.reset(token)
+    validated = _validated_conversions(conversions)
+    with registry.scoped(mapping, conversions=validated, strict=strict) as snap:
+        yield snap
 
 
 @contextmanager
@@ -133,45 +136,37 @@ def unpatched() -> Iterator[None]:
         ...     get_patch_mapping()
         {}
     """
-    token = _strict.set(False)
-    rules = importlib.import_module("modelgraft.conversion.rules")
-    try:
-        with registry.isolated(), rules.isolated_conversions():
-            yield
-    finally:
-        _strict.reset(token)
+    with registry.isolated():
+        yield
 
 
-def _scoped_conversions(conversions: Mapping[str, list] | None) -> Any:
+def _validated_conversions(conversions: Mapping[str, list] | None) -> Mapping[str, tuple] | None:
     if conversions is None:
-        return nullcontext()
+        return None
     rules = importlib.import_module("modelgraft.conversion.rules")  # on use: patching does not need it
-    return rules.scoped_conversions(conversions)
+    return rules.validate_conversions(conversions)
 
 
 # ---- the wrapped loaders ------------------------------------------------------------------------
 def _run_load(cls: type, call: Callable[[bool], Any], wants_info: bool) -> Any:
     """Run one load (``call(output_loading_info)``) under the current patches; see the module doc."""
     outer = _active_load.get()
-    if outer is not None:  # a sub-model of a load in progress: join its swap, scan nothing new
+    if outer is not None:  # a sub-model of a load in progress: join its swap and its snapshot
         outer.swap.add_class(cls)
         return call(wants_info)
-    snap = registry.snapshot()
-    with swap.LOCK:
-        if not snap:
-            result = call(wants_info)
-            load = None
-        else:
-            load = _Load(cls, snap)
-            token = _active_load.set(load)
-            try:
-                result = call(True)
-            finally:
-                _active_load.reset(token)
-    model, info = result if (load is not None or wants_info) and isinstance(result, tuple) else (result, None)
-    if load is not None and isinstance(model, torch.nn.Module):
+    load = _Load(cls, registry.snapshot())
+    # Loading info is needed for the report only when modelgraft takes part in the load.
+    asks_info = wants_info or load.grafting
+    with swap.LOCK, registry.pinned(load.snap):
+        token = _active_load.set(load)
+        try:
+            result = call(asks_info)
+        finally:
+            _active_load.reset(token)
+    model, info = result if asks_info and isinstance(result, tuple) else (result, None)
+    if load.grafting and isinstance(model, torch.nn.Module):
         _after_load(model, load, info if isinstance(info, dict) else None)
-    if isinstance(model, torch.nn.Module) and (_strict.get() or strict_requested()):
+    if isinstance(model, torch.nn.Module) and (load.snap.strict or strict_requested()):
         check_strict(model)
     return (model, info) if wants_info else model
 
@@ -216,7 +211,8 @@ def _construction_step() -> Iterator[None]:
     """Entered by transformers right around construction (``_compat.install_construction_step``)."""
     load = _active_load.get()
     with swap.LOCK:
-        active = load.swap if load is not None else swap.Swap(registry.snapshot())
+        # Never a fresh snapshot inside a load: its construction uses the snapshot it started with.
+        active = load.swap if load is not None else swap.Swap(registry.current())
         with active:
             yield
 

@@ -156,10 +156,9 @@ def _scope(
     with contextlib.ExitStack() as stack:
         if conversions is not None:
             stack.enter_context(rules.scoped_conversions(conversions))
-        if mapping is not None:
-            yield stack.enter_context(registry.scoped(mapping))
-        else:
-            yield registry.snapshot()
+        snap = stack.enter_context(registry.scoped(mapping)) if mapping is not None else registry.snapshot()
+        # One snapshot for the whole graft: its conversion lookups read it, not the live registry.
+        yield stack.enter_context(registry.pinned(snap))
 
 
 def _qualname(cls: type) -> str:

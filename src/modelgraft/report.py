@@ -1,9 +1,9 @@
 """What modelgraft did to a model: :class:`GraftReport` and :func:`report`.
 
 Every grafted model carries its own report on the instance (``model._modelgraft_report``);
-other parts of modelgraft append to it through :func:`_report_for`. The core patching issue
-fills ``replaced``/``unmatched_keys``/``dropped_checkpoint_keys``/``unloaded_parameters``;
-the conversion engine fills ``conversions``.
+other parts of modelgraft append to it through :func:`_report_for`. The load hooks fill
+``replaced``/``unmatched_keys``/``dropped_checkpoint_keys``/``randomly_initialised``/
+``unloaded_parameters``; the conversion engine fills ``conversions``.
 
 Example:
     >>> import torch
@@ -55,6 +55,9 @@ class GraftReport:
     replaced: list[ReplacedModule] = field(default_factory=list)
     unmatched_keys: list[str] = field(default_factory=list)
     conversions: list[ConversionRecord] = field(default_factory=list)
+    # parameters the checkpoint did not fill: the weight init filled them (randomly) ...
+    randomly_initialised: list[str] = field(default_factory=list)
+    # ... or nothing did (they hold uninitialised memory)
     unloaded_parameters: list[str] = field(default_factory=list)
     # module path -> checkpoint keys under that path that nothing in the model could take
     dropped_checkpoint_keys: dict[str, list[str]] = field(default_factory=dict)
@@ -63,7 +66,22 @@ class GraftReport:
     @property
     def ok(self) -> bool:
         """True when nothing strict mode would reject was found."""
-        return not (self.problems or self.unloaded_parameters or self.dropped_checkpoint_keys)
+        return not (
+            self.problems
+            or self.randomly_initialised
+            or self.unloaded_parameters
+            or self.dropped_checkpoint_keys
+        )
+
+    @property
+    def not_loaded(self) -> list[str]:
+        """Every parameter that the checkpoint did not fill in this load, sorted.
+
+        Example:
+            >>> GraftReport(randomly_initialised=["b"], unloaded_parameters=["a"]).not_loaded
+            ['a', 'b']
+        """
+        return sorted({*self.randomly_initialised, *self.unloaded_parameters})
 
     def summary(self) -> str:
         """Return the report as readable lines (the demo prints this).
@@ -78,6 +96,10 @@ class GraftReport:
             lines.append(f"  keys that matched nothing in this load: {self.unmatched_keys}")
         if self.conversions:
             lines.append(f"  conversions: {len(self.conversions)}")
+        if self.randomly_initialised:
+            lines.append(
+                f"  randomly initialised parameters (not in the checkpoint): {self.randomly_initialised}"
+            )
         if self.unloaded_parameters:
             lines.append(f"  uninitialised parameters: {self.unloaded_parameters}")
         for path, keys in self.dropped_checkpoint_keys.items():
@@ -204,9 +226,10 @@ def diagnose_load(
 
     ``rep.replaced`` and ``rep.unmatched_keys`` must be filled already. With ``loading_info``
     (``from_pretrained``'s ``missing_keys``/``unexpected_keys``): checkpoint keys under a replaced
-    module that the replacement could not take (the BERT ``.*Attention`` trap), parameters of
-    replaced modules missing from the checkpoint, split into randomly initialised ones (a problem)
-    and ones neither the checkpoint nor the weight init fills (``unloaded_parameters``).
+    module that the replacement could not take (the BERT ``.*Attention`` trap), and every parameter
+    missing from the checkpoint, split into randomly initialised ones (``randomly_initialised``)
+    and ones neither the checkpoint nor the weight init fills (``unloaded_parameters``); both are
+    problems. Called for loads modelgraft takes part in (a class replaced or a conversion registered).
     ``scoped_keys`` (keys of a ``patched`` block, meant for this load) that matched nothing are
     problems too.
     """
@@ -216,7 +239,7 @@ def diagnose_load(
                 f"Scoped patch key `{key}` matched no module of `{rep.model_class}`. Check the class name "
                 "(`modelgraft explain <ClassName>`) or drop the key."
             )
-    if not loading_info or not rep.replaced:
+    if not loading_info:
         return
     by_path = {r.path: r for r in rep.replaced}
     paths = list(by_path)
@@ -242,20 +265,36 @@ def diagnose_load(
             "(e.g. `.*SelfAttention$` or an exact class name), or register a conversion."
         )
 
-    random_init = []
+    _diagnose_missing(model, rep, loading_info, paths)
+
+
+def _diagnose_missing(model: torch.nn.Module, rep: GraftReport, loading_info: dict, paths: list[str]) -> None:
+    """Sort every parameter the checkpoint did not fill into ``randomly_initialised`` (the weight init
+    filled it) or ``unloaded_parameters`` (nothing did), with one problem sentence per kind.
+
+    Every one is reported, not only those under replaced modules: a conversion taking part in the
+    load can leave an unreplaced parameter without its checkpoint keys too. Buffers are reported
+    only under replaced modules (transformers recomputes the others).
+    """
+    parameters = {name for name, _ in model.named_parameters()}
+    random_init, in_replaced = [], 0
     probed: dict[tuple[type, str, type], bool] = {}
     for name in sorted(loading_info.get("missing_keys", ())):
-        if _owner(name, paths) is None:
+        under_replaced = _owner(name, paths) is not None
+        if name not in parameters and not under_replaced:
             continue
         if _init_fills(model, name, probed):
             random_init.append(name)
+            in_replaced += under_replaced
         else:
             rep.unloaded_parameters.append(name)
+    rep.randomly_initialised.extend(random_init)
     if random_init:
+        where = "of replaced modules " if in_replaced == len(random_init) else ""
         rep.problems.append(
-            f"{len(random_init)} parameter(s) of replaced modules are not in the checkpoint and were randomly "
+            f"{len(random_init)} parameter(s) {where}are not in the checkpoint and were randomly "
             f"initialised: `{'`, `'.join(random_init[:6])}`{' ...' if len(random_init) > 6 else ''}. Register a "
-            "conversion that produces them, or keep the original parameter names."
+            "conversion that produces them, or keep the original parameter names (see `report().not_loaded`)."
         )
     if rep.unloaded_parameters:
         rep.problems.append(

@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -51,9 +52,45 @@ __all__ = [
     "suspended",
 ]
 
+
+class _LoadLock:
+    """A re-entrant lock that a forked child gets back free.
+
+    ``os.fork()`` copies a lock held by another thread as held, but not that thread: the child
+    would wait for it forever. After a fork the child's lock is a new one, unless the thread
+    that forked holds it itself (it then carries on with its load in the child and releases it).
+    """
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def held_here(self) -> bool:
+        """Whether the current thread holds the lock."""
+        return self._lock._is_owned()  # type: ignore[attr-defined]
+
+    def _after_fork_in_child(self) -> None:
+        if not self.held_here():
+            self._lock = threading.RLock()
+
+
 #: Serialises every construction that runs under patches (and every load through the hooks), so a
-#: thread never builds from another thread's swapped classes. Re-entrant for nested loads.
-LOCK = threading.RLock()
+#: thread never builds from another thread's swapped classes. Re-entrant for nested loads; free
+#: again in a forked child (see :func:`_after_fork_in_child`).
+LOCK = _LoadLock()
 
 #: Internal counters, for tests and benchmarks: ``scans`` counts plans computed (name matching over
 #: the index), ``swaps`` counts outermost entries of a non-empty :class:`Swap` (one per load).
@@ -64,8 +101,9 @@ _user_prefixes: tuple[str, ...] = ()
 _index: dict[str, tuple[ModuleType, int, tuple[str, ...]]] = {}
 _index_generation = 0
 _scope_cache: tuple[tuple[object, ...], list[tuple[str, ModuleType]]] | None = None
-# (snapshot version, index generation, module names) -> {module name: ((attr, key, replacement), ...)}
-_plan_cache: dict[tuple[object, ...], dict[str, tuple[tuple[str, str, type], ...]]] = {}
+# (snapshot version, index generation, module names) -> {module name: (attr, ...)}. Names only:
+# the replacement of each name comes from the snapshot, so no cache keeps a replacement class alive.
+_plan_cache: dict[tuple[object, ...], dict[str, tuple[str, ...]]] = {}
 _LIBRARY_ROOTS = ("builtins", "torch", "typing", "abc", "collections", "transformers")
 
 _Applied = tuple[ModuleType, str, type, type, str]  # module, attr, original, replacement, key
@@ -147,8 +185,8 @@ def _refresh_index(modules: list[tuple[str, ModuleType]]) -> None:
 
 def _plan(
     snap: Snapshot, modules: list[tuple[str, ModuleType]], extra: tuple[str, ...]
-) -> dict[str, tuple[tuple[str, str, type], ...]]:
-    """Return, per module name, the ``(attr, key, replacement)`` bindings ``snap`` swaps in ``modules``."""
+) -> dict[str, tuple[str, ...]]:
+    """Return, per module name, the names bound there that ``snap`` replaces."""
     _refresh_index(modules)
     cache_key = (snap.version, _index_generation, extra)
     plan = _plan_cache.get(cache_key)
@@ -157,11 +195,7 @@ def _plan(
     STATS["scans"] += 1
     plan = {}
     for name, _module in modules:
-        hits = []
-        for attr in _index[name][2]:
-            found = snap.find(attr)
-            if found is not None:
-                hits.append((attr, found[0], found[1]))
+        hits = [attr for attr in _index[name][2] if snap.find(attr) is not None]
         if hits:
             plan[name] = tuple(hits)
     if len(_plan_cache) > 32:
@@ -204,6 +238,7 @@ class Swap:
         self._tables: list[tuple[dict, object, type, type]] = []  # class-table entries changed
         self._covered: set[str] = set()
         self._depth = 0
+        self._owner = 0  # the thread that entered it (a forked child restores other threads' swaps)
         self._start: tuple[int, object] = (0, None)
         #: replacement class -> {original qualified name: key}, for every binding swapped
         self.replaced_by: dict[type, dict[str, str]] = {}
@@ -226,6 +261,7 @@ class Swap:
             return self
         if self._depth == 1:
             STATS["swaps"] += 1
+            self._owner = threading.get_ident()
             _active.append(self)
             modules = sys.modules
             self._start = (len(modules), next(reversed(modules)))
@@ -262,7 +298,8 @@ class Swap:
             self._covered.add(name)
             module = _index[name][0]
             namespace = module.__dict__
-            for attr, key, replacement in hits:
+            for attr in hits:
+                key, replacement = self.snap.find(attr)  # type: ignore[misc]
                 current = namespace.get(attr)
                 if current is replacement:  # an enclosing swap bound it already: report its original
                     current = _bound_by_enclosing(module, attr, replacement)
@@ -283,6 +320,8 @@ class Swap:
 
     def _restore(self) -> None:
         if self in _active:
+            position = _active.index(self)
+            self._hand_over(_active[position + 1 :])
             _active.remove(self)
         self._unbind_from_new_modules()
         self._rebind(originals=True)
@@ -290,6 +329,17 @@ class Swap:
         self._tables = []
         self._applied = []
         self._covered.clear()
+
+    def _hand_over(self, later: list[Swap]) -> None:
+        """Leaving before swaps entered after this one (blocks exited out of order): where a later
+        swap replaced this one's replacement, it must restore this one's original, not ours."""
+        if not later or not self._applied:
+            return
+        originals = {(id(m), a, id(r)): o for m, a, o, r, _k in self._applied}
+        for other in later:
+            other._applied = [
+                (m, a, originals.get((id(m), a, id(o)), o), r, k) for m, a, o, r, k in other._applied
+            ]
 
     def _rebind(self, originals: bool) -> None:
         """Bind the originals back (``originals=True``) or the replacements again, where unchanged."""
@@ -379,3 +429,18 @@ def replaced_modules(model: torch.nn.Module, swap: Swap) -> list[ReplacedModule]
             )
         )
     return found
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child, free the construction lock and undo the swaps of threads that do not
+    exist there (a load in progress in another thread at the time of the fork)."""
+    LOCK._after_fork_in_child()
+    me = threading.get_ident()
+    for bound in reversed(list(_active)):
+        if bound._owner != me:
+            bound._depth = 0
+            bound._restore()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,9 +1,19 @@
-"""Issue 2, points 1 (matching rules and precedence) and 2 (atomic, validated registration)."""
+"""Issue 2, points 1 (matching rules and precedence) and 2 (atomic, validated registration); issue 10,
+points 10 (catastrophic patterns), 11 (out-of-order exits) and 16 (linear cost, released classes)."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import gc
+import re
+import weakref
+from typing import ClassVar
+
 import pytest
 import torch
+from transformers.models.llama import modeling_llama
+from transformers.models.llama.modeling_llama import LlamaMLP
 from transformers.models.mt5 import modeling_mt5
 from transformers.models.t5 import modeling_t5
 
@@ -15,6 +25,7 @@ from modelgraft import (
     get_patch_mapping,
     patched,
     register_patch_mapping,
+    registry,
     unregister_patch_mapping,
 )
 from modelgraft.registry import explain, find_replacement
@@ -199,3 +210,179 @@ def test_patched_is_private_to_each_asyncio_task() -> None:
         return (*results, find_replacement("LlamaMLP"))
 
     assert asyncio.run(main()) == (A, B, None)
+
+
+# ---- issue 10, point 10: patterns that backtrack catastrophically are refused ------------------
+@pytest.mark.parametrize(
+    ("key", "why"),
+    [
+        (r"(\w+)+!", "nested quantifiers"),
+        (r"(a*)*b", "nested quantifiers"),
+        (r"(?:\w+\d)+X", "nested quantifiers"),
+        (r"(a{1,3})+$", "nested quantifiers"),
+        (r"^(\w+){2,30}!", "nested quantifiers"),
+        (r"(Attention|\w)+!", "alternation"),
+        (r"(\w|\w\w)+!", "alternation"),
+        (r"(a|a)*b", "alternation"),
+        (r"(?:Llama|L\w*)+Attention", "nested quantifiers"),
+        (r"\w*\w*\w*!", "in a row"),
+    ],
+)
+def test_catastrophic_patterns_are_refused_with_the_key_named(key: str, why: str) -> None:
+    register_patch_mapping({"Kept": A})
+    with pytest.raises(PatchRegistrationError, match=rf"Patch key `{re.escape(key)}` .*{why}"):
+        register_patch_mapping({"LlamaMLP": B, key: C})
+    assert get_patch_mapping() == {"Kept": A}  # nothing of the mapping was registered
+    with pytest.raises(PatchRegistrationError, match=rf"`{re.escape(key)}`"), patched({key: C}):
+        pass  # pragma: no cover - never entered
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        ".*Attention$",
+        "^Qwen.*Experts$",
+        "(Llama|Mistral)MLP",
+        "(Llama|Mistral)+MLP",
+        r"(\w|\d)+MLP",
+        "(?:Llama|Lla)+MLP",
+        r"Llama\d*Attention",
+        "^Qwen.*MLP$",
+        ".*SelfAttention$",
+        "^(Qwen2|Qwen3)Moe.*Experts$",
+        "(?:Gemma|Gemma2)RMSNorm",
+        r"(\d{1,3}\.){3}\d+",
+        ".*Model.*Attention.*",
+        "^Mixtral.*Experts$",
+        "Attention$",
+    ],
+)
+def test_ordinary_patterns_are_accepted(key: str) -> None:
+    register_patch_mapping({key: A})
+    assert list(get_patch_mapping()) == [key]
+
+
+def test_a_pattern_is_matched_once_per_class_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: collections.Counter[str] = collections.Counter()
+    real_compile = re.compile
+
+    class CountingPattern:
+        def __init__(self, compiled: re.Pattern[str]) -> None:
+            self._compiled = compiled
+            self.pattern = compiled.pattern
+            self.flags = compiled.flags
+
+        def search(self, text: str, *args: int) -> re.Match[str] | None:
+            calls[text] += 1
+            return self._compiled.search(text, *args)
+
+    key = ".*Attention$(?#matched-once test)"  # a pattern string no other test compiles
+    with monkeypatch.context() as m:
+        m.setattr(re, "compile", lambda pattern, flags=0: CountingPattern(real_compile(pattern, flags)))
+        register_patch_mapping({key: A})
+    for i in range(3):
+        register_patch_mapping({f"Other{i}": B})  # every registration makes a new snapshot
+        assert find_replacement("LlamaAttention") == (key, A)
+        assert find_replacement("LlamaMLP") is None
+        with apply_patches():
+            pass
+        assert explain("LlamaAttention").winner == key
+    assert calls["LlamaAttention"] == 1
+    assert calls["LlamaMLP"] == 1
+    assert max(calls.values()) == 1
+
+
+# ---- issue 10, point 11: patched() blocks exited out of order -----------------------------------
+def test_patched_blocks_exited_out_of_order_each_remove_only_their_own_layer() -> None:
+    from modelgraft.conversion import WeightRenaming, get_checkpoint_conversion_mapping
+
+    register_patch_mapping({"LlamaMLP": A})
+    outer = patched(
+        {"LlamaAttention": B}, conversions={"llama": [WeightRenaming("wq", "q_proj")]}, strict=True
+    )
+    inner = patched({"MistralMLP": C})
+    outer.__enter__()
+    inner.__enter__()
+    outer.__exit__(None, None, None)  # out of order: the inner block is still open
+    assert get_patch_mapping() == {"LlamaMLP": A, "MistralMLP": C}
+    assert get_checkpoint_conversion_mapping("llama") is None
+    assert not registry.snapshot().strict
+    inner.__exit__(None, None, None)
+    assert get_patch_mapping() == {"LlamaMLP": A}
+    assert get_checkpoint_conversion_mapping("llama") is None
+    assert not registry.snapshot().strict
+
+
+def test_unpatched_blocks_exited_out_of_order_restore_the_outer_view() -> None:
+    from modelgraft import unpatched
+
+    hidden = unpatched()
+    scope = patched({"LlamaAttention": B})
+    hidden.__enter__()
+    scope.__enter__()
+    hidden.__exit__(None, None, None)
+    register_patch_mapping({"LlamaMLP": A})
+    assert get_patch_mapping() == {"LlamaMLP": A, "LlamaAttention": B}
+    scope.__exit__(None, None, None)
+    assert get_patch_mapping() == {"LlamaMLP": A}
+
+
+# ---- issue 10, point 16: linear registration, and nothing cached keeps a class alive --------------
+class _CountingKey(str):
+    """A key that counts how often it is hashed: the work a registration does on each key."""
+
+    hashes: ClassVar[collections.Counter[str]] = collections.Counter()
+
+    def __hash__(self) -> int:
+        _CountingKey.hashes[str.__str__(self)] += 1
+        return str.__hash__(self)
+
+
+def test_registering_keys_one_by_one_never_revisits_earlier_keys() -> None:
+    _CountingKey.hashes.clear()
+    n = 2000
+    for i in range(n):
+        register_patch_mapping({_CountingKey(f"Block{i}"): A})
+    first, last = _CountingKey.hashes["Block0"], _CountingKey.hashes[f"Block{n - 1}"]
+    # Linear total cost: the first key is not touched again by the 1,999 registrations after it.
+    assert first == last, (first, last)
+    assert max(_CountingKey.hashes.values()) == first
+    assert len(get_patch_mapping()) == n
+
+
+def _make_replacement() -> type:
+    class Temporary(LlamaMLP):
+        pass
+
+    return Temporary
+
+
+@pytest.mark.parametrize("how", ["unregister", "clear", "scoped"])
+def test_a_removed_replacement_class_is_released(how: str) -> None:
+    from transformers import LlamaForCausalLM
+
+    from modelgraft.testing import tiny_config
+
+    cls = _make_replacement()
+    ref = weakref.ref(cls)
+    mapping = {"LlamaMLP": cls, "^LlamaM[L]P$(?#released)": cls}
+    scope = patched(mapping) if how == "scoped" else contextlib.nullcontext()
+    if how != "scoped":
+        register_patch_mapping(mapping)
+    with scope:
+        with apply_patches():
+            assert modeling_llama.LlamaMLP is cls
+        model = LlamaForCausalLM._from_config(tiny_config("llama"))
+        assert type(model.model.layers[0].mlp) is cls
+        assert explain("LlamaMLP").replacement is cls
+        del model
+    if how == "unregister":
+        unregister_patch_mapping(list(mapping))
+    elif how == "clear":
+        clear_patch_mapping()
+    register_patch_mapping({"LlamaAttention": B})  # later activity must not revive it either
+    with apply_patches():
+        pass
+    del cls, mapping, scope
+    gc.collect()
+    assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]

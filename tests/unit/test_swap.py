@@ -136,6 +136,37 @@ def test_reentering_patched_with_the_same_mapping_reuses_the_plan() -> None:
         with patched(dict(mapping)), apply_patches():
             assert modeling_llama.LlamaMLP is Anything
     assert swap.STATS["scans"] == scans
-    with patched({"LlamaMLP": Anything}), apply_patches():  # different content: a new plan
+
+    class Other(torch.nn.Module):
+        pass
+
+    with patched({"LlamaMLP": Other}), apply_patches():  # different content: a new plan
         pass
     assert swap.STATS["scans"] == scans + 1
+
+
+def test_apply_patches_blocks_exited_out_of_order_restore_the_originals() -> None:
+    """Issue 10, point 11: each block restores by what it bound, whatever the exit order."""
+    original = modeling_llama.LlamaMLP
+
+    class Outer(torch.nn.Module):
+        pass
+
+    class Inner(torch.nn.Module):
+        pass
+
+    outer_scope, inner_scope = patched({"LlamaMLP": Outer}), patched({"LlamaMLP": Inner})
+    outer_scope.__enter__()
+    outer = apply_patches()
+    outer.__enter__()
+    inner_scope.__enter__()
+    inner = apply_patches()
+    inner.__enter__()
+    assert modeling_llama.LlamaMLP is Inner
+    outer.__exit__(None, None, None)  # out of order: the inner block is still open
+    assert modeling_llama.LlamaMLP is Inner
+    inner.__exit__(None, None, None)
+    assert modeling_llama.LlamaMLP is original
+    outer_scope.__exit__(None, None, None)
+    inner_scope.__exit__(None, None, None)
+    assert swap._active == []

@@ -7,7 +7,9 @@ before the run is the *prefix*, the part after it the *suffix*, and the converte
 
 Lookup, for a model and each of its sub-models: the entry registered under the class name wins
 over the one under ``model_type``, and the chosen entry is the whole mapping for that (sub)model.
-:func:`scoped_conversions` overlays entries for the current thread or task only.
+:func:`scoped_conversions` overlays entries for the current thread or task only. The entries live
+in :mod:`modelgraft.registry`, next to the replacement classes: one snapshot carries both, and a
+load reads only the snapshot it took when it started.
 
 Example:
     >>> from modelgraft.conversion import Concatenate, WeightConverter
@@ -23,12 +25,11 @@ Example:
 from __future__ import annotations
 
 import re
-import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 
+from modelgraft import registry
 from modelgraft.conversion.ops import ConversionOperation
 from modelgraft.errors import ConversionError
 
@@ -41,6 +42,7 @@ __all__ = [
     "register_checkpoint_conversion_mapping",
     "scoped_conversions",
     "unregister_checkpoint_conversion_mapping",
+    "validate_conversions",
 ]
 
 _REGEX_CHARS = re.compile(r"[\\^$()\[\]{}+?|]")
@@ -203,11 +205,6 @@ def _rebuild_converter(
 
 Conversions = tuple[WeightConverter, ...]
 
-_lock = threading.Lock()
-_registry: dict[str, Conversions] = {}
-_scoped: ContextVar[Mapping[str, Conversions] | None] = ContextVar("modelgraft_conversions", default=None)
-_registry_hidden: ContextVar[bool] = ContextVar("modelgraft_conversions_hidden", default=False)
-
 
 def _validate_entry(key: object, mapping: object) -> Conversions:
     if not isinstance(key, str) or not key:
@@ -230,6 +227,22 @@ def _validate_entry(key: object, mapping: object) -> Conversions:
     return items
 
 
+def validate_conversions(
+    conversions: Mapping[str, Sequence[WeightConverter]] | None,
+) -> dict[str, Conversions]:
+    """Check a ``{model_type_or_class_name: [WeightConverter, ...]}`` mapping; return it with tuples.
+
+    Raises:
+        ConversionError: a key or an entry is invalid (names which one).
+    """
+    if conversions is not None and not isinstance(conversions, Mapping):
+        raise ConversionError(
+            f"`conversions` must be a dict of model_type or class name to a list of converters; received "
+            f"`{type(conversions).__name__}`."
+        )
+    return {k: _validate_entry(k, v) for k, v in (conversions or {}).items()}
+
+
 def _builtin_has(key: str) -> bool:
     """Whether the installed transformers ships its own conversion for ``key``."""
     from modelgraft import _compat
@@ -244,7 +257,8 @@ def register_checkpoint_conversion_mapping(
 
     The key is a class name (``"Qwen2MoeForCausalLM"``) or a ``model_type`` (``"qwen2_moe"``); a
     class-name entry wins. A key already registered, or one the installed transformers converts
-    itself, needs ``overwrite=True``; the entry then replaces that conversion entirely.
+    itself, needs ``overwrite=True``; the entry then replaces that conversion entirely. A load
+    already in progress keeps the conversions it started with.
 
     Raises:
         ConversionError: invalid entry, or a duplicate without ``overwrite=True`` (nothing changes).
@@ -257,16 +271,22 @@ def register_checkpoint_conversion_mapping(
         >>> unregister_checkpoint_conversion_mapping("my_type")
     """
     items = _validate_entry(model_type_or_class_name, mapping)
-    with _lock:
-        if not overwrite and (
-            model_type_or_class_name in _registry or _builtin_has(model_type_or_class_name)
-        ):
-            where = "modelgraft" if model_type_or_class_name in _registry else "the installed transformers"
-            raise ConversionError(
-                f"A conversion mapping for `{model_type_or_class_name}` already exists in {where}. Pass "
-                "`overwrite=True` to replace it (your entry then becomes the whole mapping for that model)."
-            )
-        _registry[model_type_or_class_name] = items
+    key = model_type_or_class_name
+    if not overwrite and _builtin_has(key) and key not in registry._global_entries(registry.CONVERSIONS):
+        raise _exists(key, "the installed transformers")
+
+    def duplicate(key: str, _existing: Conversions) -> ConversionError:
+        return _exists(key, "modelgraft")
+
+    entries = registry._conversion_entries({key: items}, "global")
+    registry._add({registry.CONVERSIONS: registry._Additions(entries, overwrite, duplicate)})
+
+
+def _exists(key: str, where: str) -> ConversionError:
+    return ConversionError(
+        f"A conversion mapping for `{key}` already exists in {where}. Pass "
+        "`overwrite=True` to replace it (your entry then becomes the whole mapping for that model)."
+    )
 
 
 def unregister_checkpoint_conversion_mapping(keys: str | Sequence[str]) -> None:
@@ -276,52 +296,49 @@ def unregister_checkpoint_conversion_mapping(keys: str | Sequence[str]) -> None:
         ConversionError: a key that is not registered.
     """
     names = [keys] if isinstance(keys, str) else list(keys)
-    with _lock:
-        unknown = [k for k in names if k not in _registry]
-        if unknown:
-            raise ConversionError(
-                f"Cannot unregister conversion mapping(s) {', '.join(f'`{k}`' for k in unknown)}: not registered. "
-                f"Registered: {sorted(_registry)}."
-            )
-        for k in names:
-            del _registry[k]
+    registry._remove({registry.CONVERSIONS: registry._Removals(names, unknown_conversions)})
+
+
+def unknown_conversions(missing: list[str], registered: list[str]) -> ConversionError:
+    """The error for unregistering conversion keys that are not registered."""
+    return ConversionError(
+        f"Cannot unregister conversion mapping(s) {', '.join(f'`{k}`' for k in missing)}: not registered. "
+        f"Registered: {registered}."
+    )
 
 
 def get_checkpoint_conversion_mapping(model_type_or_class_name: str) -> list[WeightConverter] | None:
-    """Return the entry visible here (scoped overlay first, then global) as a new list, or ``None``."""
-    scoped = _scoped.get()
-    if scoped is not None and model_type_or_class_name in scoped:
-        return list(scoped[model_type_or_class_name])
-    found = None if _registry_hidden.get() else _registry.get(model_type_or_class_name)
+    """Return the entry visible here (scoped blocks first, then global) as a new list, or ``None``."""
+    found = registry.snapshot().conversions.get(model_type_or_class_name)
     return None if found is None else list(found)
 
 
-def lookup_conversions(class_name: str, model_type: str | None) -> tuple[str, Conversions] | None:
-    """Return ``(key, converters)`` for a (sub)model: class name first, then ``model_type``."""
-    scoped = _scoped.get() or {}
-    # dict reads are atomic; writers replace values under the lock
-    registry: Mapping[str, Conversions] = {} if _registry_hidden.get() else _registry
-    for key in (class_name, model_type):
-        if not key:
-            continue
-        if key in scoped:
-            return key, scoped[key]
-        if key in registry:
-            return key, registry[key]
-    return None
+def lookup_conversions(
+    class_name: str, model_type: str | None, snap: registry.Snapshot | None = None
+) -> tuple[str, Conversions] | None:
+    """Return ``(key, converters)`` for a (sub)model: class name first, then ``model_type``.
+
+    Reads ``snap``, by default :func:`modelgraft.registry.current` (the snapshot of the load in
+    progress, so one load sees one set of conversions from start to end).
+    """
+    return (snap if snap is not None else registry.current()).lookup_conversions(class_name, model_type)
 
 
-def has_any_conversions() -> bool:
-    """Cheap check used by the load hooks to stay out of the way when nothing is registered."""
-    return (bool(_registry) and not _registry_hidden.get()) or bool(_scoped.get())
+def has_any_conversions(snap: registry.Snapshot | None = None) -> bool:
+    """Cheap check used by the load hooks to stay out of the way when nothing is registered.
+
+    Reads ``snap``, by default :func:`modelgraft.registry.current`.
+    """
+    return bool((snap if snap is not None else registry.current()).conversions)
 
 
 @contextmanager
 def scoped_conversions(conversions: Mapping[str, Sequence[WeightConverter]] | None) -> Iterator[None]:
     """Make ``conversions`` visible in this thread or task only, for the ``with`` block.
 
-    Scoped entries win over global ones with the same key; nested blocks stack. No global state
-    changes and nothing is checked against transformers' built-ins (a scope replaces them).
+    Scoped entries win over global ones with the same key; nested blocks stack (and may be exited
+    in any order). No global state changes and nothing is checked against transformers' built-ins
+    (a scope replaces them).
 
     Example:
         >>> from modelgraft.conversion import WeightRenaming
@@ -331,13 +348,8 @@ def scoped_conversions(conversions: Mapping[str, Sequence[WeightConverter]] | No
         >>> get_checkpoint_conversion_mapping("llama") is None
         True
     """
-    validated = {k: _validate_entry(k, v) for k, v in (conversions or {}).items()}
-    merged = {**(_scoped.get() or {}), **validated}
-    token = _scoped.set(merged)
-    try:
+    with registry.scoped(conversions=validate_conversions(conversions)):
         yield
-    finally:
-        _scoped.reset(token)
 
 
 @contextmanager
@@ -350,9 +362,36 @@ def isolated_conversions() -> Iterator[None]:
         ...     has_any_conversions(), get_checkpoint_conversion_mapping("llama")
         (False, None)
     """
-    hidden, scoped = _registry_hidden.set(True), _scoped.set(None)
-    try:
+    with registry.isolated(classes=False):
         yield
-    finally:
-        _scoped.reset(scoped)
-        _registry_hidden.reset(hidden)
+
+
+class _GlobalConversions(MutableMapping):
+    """The global conversion entries as a dict-like view (reads and writes go through the registry).
+
+    For tests that save and restore the global state; code registers through the functions above.
+    """
+
+    def __getitem__(self, key: str) -> Conversions:
+        return registry._global_entries(registry.CONVERSIONS)[key]
+
+    def __setitem__(self, key: str, value: Sequence[WeightConverter]) -> None:
+        register_checkpoint_conversion_mapping(key, value, overwrite=True)
+
+    def __delitem__(self, key: str) -> None:
+        try:
+            unregister_checkpoint_conversion_mapping(key)
+        except ConversionError:
+            raise KeyError(key) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(registry._global_entries(registry.CONVERSIONS))
+
+    def __len__(self) -> int:
+        return len(registry._global_entries(registry.CONVERSIONS))
+
+    def clear(self) -> None:
+        registry._clear(registry.CONVERSIONS)
+
+
+_registry = _GlobalConversions()

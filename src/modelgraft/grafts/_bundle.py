@@ -146,44 +146,31 @@ class Graft:
             ConversionError: a model type already has a modelgraft conversion and ``overwrite``
                 is false.
         """
-        import modelgraft
-        from modelgraft.conversion import (
-            get_checkpoint_conversion_mapping,
-            register_checkpoint_conversion_mapping,
-            unregister_checkpoint_conversion_mapping,
-        )
+        from modelgraft import registry
+        from modelgraft.conversion.rules import validate_conversions
+
+        conversions = validate_conversions(self.conversions)
+        if not overwrite:
+            taken = [t for t in conversions if t in registry._global_entries(registry.CONVERSIONS)]
+            if taken:
+                raise self._taken(taken)
+        # One step: a load that starts meanwhile sees the whole graft or none of it.
+        registry.register(self.mapping, conversions, overwrite, lambda key, _old: self._taken([key]))
+
+    def _taken(self, model_types: list[str]) -> Exception:
         from modelgraft.errors import ConversionError
 
-        conversions = self.conversions
-        if not overwrite:
-            taken = [t for t in conversions if get_checkpoint_conversion_mapping(t) is not None]
-            if taken:
-                raise ConversionError(
-                    f"Cannot register graft `{self.name}`: modelgraft already has conversions for "
-                    f"{', '.join(f'`{t}`' for t in taken)}. Unregister them or pass `overwrite=True`."
-                )
-        previous = {t: get_checkpoint_conversion_mapping(t) for t in conversions}
-        modelgraft.register_patch_mapping(self.mapping, overwrite=overwrite)
-        done: list[str] = []
-        try:
-            for model_type, converters in conversions.items():
-                register_checkpoint_conversion_mapping(model_type, converters, overwrite=True)
-                done.append(model_type)
-        except BaseException:
-            for model_type in done:
-                unregister_checkpoint_conversion_mapping(model_type)
-                if previous[model_type] is not None:
-                    register_checkpoint_conversion_mapping(model_type, previous[model_type], overwrite=True)
-            modelgraft.unregister_patch_mapping(list(self.mapping))
-            raise
+        return ConversionError(
+            f"Cannot register graft `{self.name}`: modelgraft already has conversions for "
+            f"{', '.join(f'`{t}`' for t in model_types)}. Unregister them or pass `overwrite=True`."
+        )
 
     def unregister(self) -> None:
-        """Remove what :meth:`register` added (the patch keys and the conversion entries)."""
-        import modelgraft
-        from modelgraft.conversion import unregister_checkpoint_conversion_mapping
+        """Remove what :meth:`register` added (the patch keys and the conversion entries), in one step."""
+        from modelgraft import registry
+        from modelgraft.conversion.rules import unknown_conversions
 
-        modelgraft.unregister_patch_mapping(list(self.mapping))
-        unregister_checkpoint_conversion_mapping(list(self.conversions))
+        registry.unregister(list(self.mapping), list(self.conversions), unknown_conversions)
 
     @contextlib.contextmanager
     def applied(self, strict: bool = False) -> Iterator[Graft]:
