@@ -25,7 +25,6 @@ Example:
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from modelgraft._forksafe import ForkSafeLock
 from modelgraft._wrapping import Wrappers
 
 RECORD_REGISTRY_MODULE = "transformers.utils.generic"
@@ -41,7 +41,7 @@ _ATTR = "_can_record_outputs"
 _HOOKS_ATTR = "_modelgraft_recorder_hooks"
 _ROUTER_NAMES = ("gate", "router")
 _ROUTER_CLASS = re.compile(r"(Router|Gate|Gating)$")
-_LOCK = threading.RLock()
+_LOCK = ForkSafeLock()
 _step_wrappers = Wrappers()
 
 # Bound models whose forward is running, innermost last (per thread and per asyncio task).

@@ -44,12 +44,13 @@ __all__ = ["apply_patches", "install", "installed", "patched", "uninstall", "unp
 class _Load:
     """State of one top-level load: its snapshot and the swap shared by nested loads."""
 
-    __slots__ = ("scoped_keys", "snap", "swap")
+    __slots__ = ("problems", "scoped_keys", "snap", "swap")
 
     def __init__(self, cls: type, snap: Snapshot) -> None:
         self.snap = snap
         self.swap = swap.Swap(snap, (cls,))
         self.scoped_keys = tuple(k for k, src in snap.sources.items() if src == "scoped")
+        self.problems: list[str] = []
 
     @property
     def grafting(self) -> bool:
@@ -148,19 +149,22 @@ def _validated_conversions(conversions: Mapping[str, list] | None) -> Mapping[st
 
 
 # ---- the wrapped loaders ------------------------------------------------------------------------
-def _run_load(cls: type, call: Callable[[bool], Any], wants_info: bool) -> Any:
-    """Run one load (``call(output_loading_info)``) under the current patches; see the module doc."""
+def _run_load(cls: type, call: Callable[[type, bool], Any], wants_info: bool) -> Any:
+    """Run one load (``call(class, output_loading_info)``) under the current patches; see the module doc."""
     outer = _active_load.get()
     if outer is not None:  # a sub-model of a load in progress: join its swap and its snapshot
+        cls = _loaded_class(cls, outer)
         outer.swap.add_class(cls)
-        return call(wants_info)
+        return call(cls, wants_info)
     load = _Load(cls, registry.snapshot())
+    cls = _loaded_class(cls, load)
+    load.swap.add_class(cls)
     # Loading info is needed for the report only when modelgraft takes part in the load.
     asks_info = wants_info or load.grafting
     with swap.LOCK, registry.pinned(load.snap):
         token = _active_load.set(load)
         try:
-            result = call(asks_info)
+            result = call(cls, asks_info)
         finally:
             _active_load.reset(token)
     model, info = result if asks_info and isinstance(result, tuple) else (result, None)
@@ -171,10 +175,33 @@ def _run_load(cls: type, call: Callable[[bool], Any], wants_info: bool) -> Any:
     return (model, info) if wants_info else model
 
 
+def _loaded_class(cls: type, load: _Load) -> type:
+    """The class to load: ``cls``, or the replacement the snapshot gives for ``cls`` itself.
+
+    ``AutoModel*`` resolves the model class before the load starts, so the swap of module globals
+    never reaches it; a key that names the loaded class (``chunked_lm_loss()`` replaces
+    ``*ForCausalLM``) is honoured here. A replacement that is not a subclass of ``cls`` cannot be
+    loaded through ``cls.from_pretrained``: the load stays plain and the report says why.
+    """
+    found = load.snap.find(cls.__name__)
+    if found is None or found[1] is cls:
+        return cls
+    key, replacement = found
+    if isinstance(replacement, type) and issubclass(replacement, cls):
+        return replacement
+    load.problems.append(
+        f"Patch key `{key}` matches the class being loaded, `{cls.__name__}`, but its replacement "
+        f"`{replacement.__qualname__}` is not a subclass of it, so `{cls.__name__}` was loaded unchanged. "
+        f"Derive the replacement from `{cls.__name__}`, or anchor the key so that it does not match it."
+    )
+    return cls
+
+
 def _after_load(model: torch.nn.Module, load: _Load, info: dict | None) -> None:
     replaced = swap.replaced_modules(model, load.swap)
     recorders.patch_output_recorders(model, replacements=load.swap.replacements())
     rep = _report_for(model)
+    rep.problems.extend(p for p in load.problems if p not in rep.problems)
     rep.replaced.extend(replaced)
     used = {key for r in replaced for key in r.key.split(" | ")}
     rep.unmatched_keys.extend(k for k in load.snap.mapping if k not in used)
@@ -185,7 +212,7 @@ def _wrap_from_pretrained(original: Callable[..., Any]) -> Callable[..., Any]:
     def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
         wants_info = bool(kwargs.pop("output_loading_info", False))
         return _run_load(
-            cls, lambda info: original(cls, *args, output_loading_info=info, **kwargs), wants_info
+            cls, lambda klass, info: original(klass, *args, output_loading_info=info, **kwargs), wants_info
         )
 
     return from_pretrained
@@ -193,7 +220,7 @@ def _wrap_from_pretrained(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _wrap_from_config(original: Callable[..., Any]) -> Callable[..., Any]:
     def _from_config(cls: type, config: Any, **kwargs: Any) -> Any:
-        return _run_load(cls, lambda _info: original(cls, config, **kwargs), False)
+        return _run_load(cls, lambda klass, _info: original(klass, config, **kwargs), False)
 
     return _from_config
 

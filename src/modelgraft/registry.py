@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -50,6 +49,7 @@ from typing import Any
 import torch
 
 from modelgraft import _patterns
+from modelgraft._forksafe import ForkSafeLock
 from modelgraft.errors import PatchRegistrationError, ReplacementTypeError
 
 __all__ = [
@@ -317,7 +317,7 @@ class Explanation:
 
 
 # ---- global state ------------------------------------------------------------------------------
-_write_lock = threading.Lock()
+_write_lock = ForkSafeLock()
 _global = _Layer()
 # key -> position in the global table of that kind; only read and written under _write_lock.
 _positions: dict[str, dict[str, int]] = {CLASSES: {}, CONVERSIONS: {}}
@@ -754,10 +754,8 @@ def isolated(classes: bool = True, conversions: bool = True) -> Iterator[None]:
 
 # ---- fork: the child starts with a usable registry -------------------------------------------
 def _after_fork_in_child() -> None:
-    """A thread that was writing when the process forked does not exist in the child: free the
-    lock it held, and rebuild the writer's index from the global layer actually published."""
-    global _write_lock
-    _write_lock = threading.Lock()
+    """A thread that was writing when the process forked does not exist in the child: rebuild the
+    writer's index from the global layer actually published (its lock is renewed by ``_forksafe``)."""
     for kind in _KINDS:
         _positions[kind] = {e.key: i for i, e in enumerate(_global.table(kind))}
 

@@ -38,6 +38,7 @@ from types import ModuleType, TracebackType
 import torch
 
 from modelgraft import _compat
+from modelgraft._forksafe import ForkSafeLock
 from modelgraft.registry import Snapshot
 from modelgraft.report import ReplacedModule
 
@@ -53,44 +54,10 @@ __all__ = [
 ]
 
 
-class _LoadLock:
-    """A re-entrant lock that a forked child gets back free.
-
-    ``os.fork()`` copies a lock held by another thread as held, but not that thread: the child
-    would wait for it forever. After a fork the child's lock is a new one, unless the thread
-    that forked holds it itself (it then carries on with its load in the child and releases it).
-    """
-
-    __slots__ = ("_lock",)
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        return self._lock.acquire(blocking, timeout)
-
-    def release(self) -> None:
-        self._lock.release()
-
-    def __enter__(self) -> bool:
-        return self._lock.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
-
-    def held_here(self) -> bool:
-        """Whether the current thread holds the lock."""
-        return self._lock._is_owned()  # type: ignore[attr-defined]
-
-    def _after_fork_in_child(self) -> None:
-        if not self.held_here():
-            self._lock = threading.RLock()
-
-
 #: Serialises every construction that runs under patches (and every load through the hooks), so a
 #: thread never builds from another thread's swapped classes. Re-entrant for nested loads; free
 #: again in a forked child (see :func:`_after_fork_in_child`).
-LOCK = _LoadLock()
+LOCK = ForkSafeLock()
 
 #: Internal counters, for tests and benchmarks: ``scans`` counts plans computed (name matching over
 #: the index), ``swaps`` counts outermost entries of a non-empty :class:`Swap` (one per load).
@@ -434,7 +401,7 @@ def replaced_modules(model: torch.nn.Module, swap: Swap) -> list[ReplacedModule]
 def _after_fork_in_child() -> None:
     """In a forked child, free the construction lock and undo the swaps of threads that do not
     exist there (a load in progress in another thread at the time of the fork)."""
-    LOCK._after_fork_in_child()
+    # ``LOCK`` itself is renewed by modelgraft._forksafe.
     me = threading.get_ident()
     for bound in reversed(list(_active)):
         if bound._owner != me:

@@ -21,7 +21,6 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 import modelgraft
 from _versions import skip_if_missing_model_type
 from families import family, family_params
-from modelgraft.errors import StrictModeError
 from modelgraft.grafts import (
     CHUNKED_LM_LOSS_FAMILIES,
     DoubleBackwardError,
@@ -467,13 +466,18 @@ def test_the_grafted_class_loads_a_plain_checkpoint(model_type: str, tmp_path: P
     _assert_close(got.loss, want.loss, "loss")
 
 
-def test_an_auto_model_load_under_the_graft_is_not_silently_plain(tmp_path: Path) -> None:
-    """``AutoModelForCausalLM`` loads transformers' class itself; strict mode says the key matched nothing."""
+def test_an_auto_model_load_under_the_graft_builds_the_grafted_class(tmp_path: Path) -> None:
+    """``AutoModelForCausalLM`` resolves transformers' class before the load; the graft still applies."""
     plain, _ = _pair("llama")
     plain.save_pretrained(tmp_path)
-    with pytest.raises(StrictModeError, match="LlamaForCausalLM"):
-        with chunked_lm_loss("llama").applied(strict=True):
-            AutoModelForCausalLM.from_pretrained(tmp_path)
+    with chunked_lm_loss("llama", chunk_size=CHUNK).applied(strict=True):
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path).train()
+    assert type(loaded) is chunked_lm_loss_class(type(plain), chunk_size=CHUNK)
+    inputs, labels = _batch(plain, "llama")
+    want, _ = _step(plain, backward=False, **inputs, labels=labels)
+    got, _ = _step(loaded, backward=False, **inputs, labels=labels)
+    assert got.logits is None
+    _assert_close(got.loss, want.loss, "loss")
 
 
 def test_pickle_round_trip_keeps_the_class_and_the_loss() -> None:

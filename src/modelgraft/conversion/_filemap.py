@@ -31,12 +31,12 @@ import math
 import mmap
 import os
 import sys
-import threading
 import weakref
 from collections.abc import Sequence
 
 import torch
 
+from modelgraft._forksafe import ForkSafeLock
 from modelgraft.conversion._safetensors import read_range
 
 __all__ = ["map_ranges", "mapping_enabled"]
@@ -47,7 +47,7 @@ _PAGE = mmap.PAGESIZE
 # default and other libraries need some, so stay well below it and copy beyond this budget.
 _MAX_LIVE_MAPPINGS = 24_000
 _live = 0
-_live_lock = threading.Lock()
+_live_lock = ForkSafeLock()
 
 
 def _libc_mmap() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]

@@ -21,11 +21,12 @@ import io
 import json
 import os
 import struct
-import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
+
+from modelgraft._forksafe import ForkSafeLock
 
 __all__ = ["SafetensorsFile", "read_into_many", "read_range", "read_ranges_into"]
 
@@ -33,7 +34,7 @@ __all__ = ["SafetensorsFile", "read_into_many", "read_range", "read_ranges_into"
 _CHUNK_MIN = 1 << 20
 _MAX_THREADS = 4
 _pool_state: tuple[int, ThreadPoolExecutor] | None = None
-_pool_lock = threading.Lock()
+_pool_lock = ForkSafeLock()
 
 
 def _threads() -> int:

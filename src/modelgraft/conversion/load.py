@@ -17,13 +17,13 @@ from __future__ import annotations
 import contextvars
 import json
 import os
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from modelgraft._forksafe import ForkSafeLock
 from modelgraft.conversion._checks import check_sources, expected_sources
 from modelgraft.conversion._filemap import map_ranges
 from modelgraft.conversion._layout import ByteLayout, convert_layouts
@@ -298,7 +298,7 @@ def apply_load_conversions(
 # (model class, config as JSON) -> the original model's shapes, for repeated loads of one model.
 _ORIGINALS: OrderedDict[tuple[type, str], dict[str, torch.Size]] = OrderedDict()
 _ORIGINALS_KEPT = 8
-_originals_lock = threading.Lock()
+_originals_lock = ForkSafeLock()
 
 
 def _original_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:

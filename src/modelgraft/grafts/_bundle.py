@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from modelgraft import _compat
+from modelgraft._forksafe import ForkSafeLock
 from modelgraft.errors import GraftConflictError, UnsupportedFamilyError
 
 if TYPE_CHECKING:
@@ -186,7 +186,7 @@ class Graft:
 
 # --- discovery ------------------------------------------------------------------------------
 
-_META_LOCK = threading.Lock()
+_META_LOCK = ForkSafeLock()
 
 
 @functools.cache

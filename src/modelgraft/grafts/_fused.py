@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
+from modelgraft._forksafe import ForkSafeLock
 from modelgraft.errors import FusionError
 from modelgraft.grafts._pickling import RECIPE_ATTR, GraftedClass
 from modelgraft.grafts._split_linear import split_linear
@@ -286,7 +287,7 @@ def fuse_linears(module: nn.Module, names: tuple[str, ...], fused_name: str) -> 
 
 
 _SUBCLASSES: dict[tuple[type, tuple[str, ...], str], type] = {}
-_SUBCLASSES_LOCK = threading.Lock()
+_SUBCLASSES_LOCK = ForkSafeLock()
 
 
 def fused_subclass(

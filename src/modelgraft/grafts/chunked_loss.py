@@ -48,6 +48,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules import module as _torch_module
 
+from modelgraft._forksafe import ForkSafeLock
 from modelgraft.errors import UnsupportedFamilyError
 from modelgraft.grafts._bundle import Graft, _Part, original_class
 from modelgraft.grafts._chunked_ce import DoubleBackwardError, LossInputError, linear_cross_entropy
@@ -186,7 +187,7 @@ def _causal_lm_loss() -> Any:
 
 
 _WARNED: set[tuple[type, str]] = set()
-_WARNED_LOCK = threading.Lock()
+_WARNED_LOCK = ForkSafeLock()
 
 
 def _warn_plain(cls: type, reason: str) -> None:
@@ -327,7 +328,7 @@ def _save_pretrained(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 # --- the classes ---------------------------------------------------------------------------------
 
 _CLASSES: dict[tuple[type, int | None], type] = {}
-_CLASSES_LOCK = threading.Lock()
+_CLASSES_LOCK = ForkSafeLock()
 
 
 def _check_chunk_size(chunk_size: int | None) -> int | None:

@@ -24,12 +24,11 @@ Example:
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from torch import nn
 
 from modelgraft import _compat
+from modelgraft._forksafe import ForkSafeLock
 from modelgraft.grafts._bundle import (
     Graft,
     UnsupportedFamilyError,
@@ -205,7 +204,7 @@ class _LinearExpertsBase(nn.ModuleList):
 
 
 _CLASSES: dict[tuple[type, tuple[str, str, str]], type[nn.Module]] = {}
-_CLASSES_LOCK = threading.Lock()
+_CLASSES_LOCK = ForkSafeLock()
 
 
 def linear_experts_class(
