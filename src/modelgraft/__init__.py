@@ -33,6 +33,7 @@ from modelgraft.errors import (
     StrictModeError,
     UnsupportedTransformersError,
 )
+from modelgraft.graft import Graft, register_graft, unregister_graft
 from modelgraft.hooks import apply_patches, patched, unpatched
 from modelgraft.live import graft_model
 from modelgraft.recorders import patch_output_recorders
@@ -55,6 +56,7 @@ __all__ = [
     "ConversionError",
     "ConversionOperation",
     "ConversionShapeError",
+    "Graft",
     "GraftError",
     "GraftReport",
     "IrreversibleConversionError",
@@ -79,10 +81,12 @@ __all__ = [
     "patch_output_recorders",
     "patched",
     "register_checkpoint_conversion_mapping",
+    "register_graft",
     "register_patch_mapping",
     "report",
     "unpatched",
     "unregister_checkpoint_conversion_mapping",
+    "unregister_graft",
     "unregister_patch_mapping",
     "verify",
 ]

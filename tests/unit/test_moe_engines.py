@@ -15,7 +15,7 @@ import torch
 
 from modelgraft.errors import RoutingError
 from modelgraft.moe import RoutingTrace, from_sglang, from_vllm, join_routes, moe_layers, replay_routing
-from modelgraft.moe._families import build_tiny
+from moe_families import build_tiny
 
 LENGTHS = [5, 3]  # tokens per request: prompt + completion
 

@@ -314,12 +314,6 @@ def fused_subclass(
             base.__init__(self, *args, **kwargs)
             fuse_linears(self, names, fused_name)
 
-        def _from_original(cls: type[nn.Module], module: nn.Module) -> nn.Module:
-            # Take over a built original in place: its weights move into the fused layer.
-            module.__class__ = cls
-            fuse_linears(module, names, fused_name)
-            return module
-
         name = f"{prefix}{base.__name__}"
         cls = GraftedClass(
             name,
@@ -328,7 +322,6 @@ def fused_subclass(
                 "__init__": __init__,
                 "__doc__": f"`{base.__name__}` with {', '.join(names)} fused into one `{fused_name}`.",
                 "__qualname__": name,
-                "_from_original": classmethod(_from_original),
                 "_modelgraft_original": base,
                 "_modelgraft_fused": (names, fused_name),
                 RECIPE_ATTR: (fused_subclass, (base, names, fused_name, prefix)),

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from modelgraft import _compat
+from modelgraft._families import LINEAR_EXPERTS, covered_by
 from modelgraft._forksafe import ForkSafeLock
 from modelgraft.grafts._bundle import (
     Graft,
@@ -44,23 +45,7 @@ __all__ = ["LINEAR_EXPERTS_FAMILIES", "LinearExpert", "linear_experts", "linear_
 DEFAULT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 #: Model types :func:`linear_experts` covers by default (each one tested).
-LINEAR_EXPERTS_FAMILIES: tuple[str, ...] = (
-    "qwen2_moe",
-    "qwen3_moe",
-    "mixtral",
-    "olmoe",
-    "flex_olmo",
-    "phimoe",
-    "minimax",
-    "deepseek_v2",
-    "deepseek_v3",
-    "glm4_moe",
-    "dots1",
-    "ernie4_5_moe",
-    "hunyuan_v1_moe",
-    "jamba",
-    "qwen3_next",
-)
+LINEAR_EXPERTS_FAMILIES: tuple[str, ...] = covered_by(LINEAR_EXPERTS)
 
 
 class LinearExpert(nn.Module):
@@ -158,26 +143,6 @@ class _LinearExpertsBase(nn.ModuleList):
         act_fn = probe.act_fn
         for _ in range(num):
             self.append(LinearExpert(hidden, two_inter // 2, act_fn, self._expert_names))
-
-    @classmethod
-    def _from_original(cls, module: nn.Module) -> nn.Module:
-        """Build per-expert layers from a built original, copying its weights."""
-        problem = _layout_problem(module)
-        if problem is not None:
-            raise UnsupportedFamilyError(f"`{type(module).__name__}` cannot be converted: {problem}.")
-        new = cls.__new__(cls)
-        nn.ModuleList.__init__(new)
-        device, dtype = module.gate_up_proj.device, module.gate_up_proj.dtype
-        new._setup(module)
-        new.to(device=device, dtype=dtype)
-        gate, up, down = cls._expert_names
-        inter = new.intermediate_dim
-        with torch.no_grad():
-            for index, expert in enumerate(new):
-                getattr(expert, gate).weight.copy_(module.gate_up_proj[index, :inter])
-                getattr(expert, up).weight.copy_(module.gate_up_proj[index, inter:])
-                getattr(expert, down).weight.copy_(module.down_proj[index])
-        return new
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
