@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from transformers import AutoConfig, PretrainedConfig
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 
 from modelgraft.errors import UnknownModelTypeError
 
