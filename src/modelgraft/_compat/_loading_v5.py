@@ -14,8 +14,8 @@ means adding one module like this one. Wrapped, in ``transformers.modeling_utils
   exactly and leaves the other keys to transformers.
 
 Example:
-    >>> from modelgraft.conversion import _transformers_hooks
-    >>> _transformers_hooks.builtin_conversion_exists("qwen2_moe")
+    >>> from modelgraft._compat import _loading_v5
+    >>> _loading_v5.builtin_conversion_exists("qwen2_moe")
     True
 """
 

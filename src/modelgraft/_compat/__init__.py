@@ -5,8 +5,8 @@ this module instead of branching on versions itself: version facts and feature f
 load is put together (:func:`loading_internals`), how output recorders are looked up and made
 per instance (:func:`install_recorder_lookup`), where a class swap can wrap construction
 (:func:`install_construction_step`), and where MoE routing happens
-(:func:`moe_router_candidates`). The 4.57-only code lives in :mod:`modelgraft._compat_v4` and
-the 5.x-only code in :mod:`modelgraft._compat_v5`; exactly one of them is imported.
+(:func:`moe_router_candidates`). The 4.57-only code lives in :mod:`modelgraft._compat._v4` and
+the 5.x-only code in :mod:`modelgraft._compat._v5`; exactly one of them is imported.
 
 Example:
     >>> from modelgraft import _compat
@@ -114,9 +114,9 @@ HAS_BUILTIN_CONVERSION = IS_V5
 FUSED_MOE_EXPERTS = IS_V5
 
 if IS_V5:
-    from modelgraft import _compat_v5 as _impl
+    from modelgraft._compat import _v5 as _impl
 else:
-    from modelgraft import _compat_v4 as _impl
+    from modelgraft._compat import _v4 as _impl
 
 
 @dataclass(frozen=True)
@@ -350,7 +350,7 @@ def conversion_hooks() -> ModuleType:
     """The module that wires modelgraft's conversion engine into the installed transformers.
 
     It has ``install()``, ``uninstall()``, ``installed()`` and ``builtin_conversion_exists(key)``:
-    :mod:`modelgraft.conversion._transformers_hooks` on 5.x, :mod:`modelgraft._compat_v4_conversion`
+    :mod:`modelgraft._compat._loading_v5` on 5.x, :mod:`modelgraft._compat._loading_v4`
     on 4.57 (which has no built-in conversions).
 
     Example:
@@ -358,9 +358,9 @@ def conversion_hooks() -> ModuleType:
         True
     """
     if IS_V5:
-        from modelgraft.conversion import _transformers_hooks as hooks
+        from modelgraft._compat import _loading_v5 as hooks
     else:
-        from modelgraft import _compat_v4_conversion as hooks
+        from modelgraft._compat import _loading_v4 as hooks
     return hooks
 
 

@@ -1,5 +1,5 @@
 """The conversion engine's wiring into transformers 4.57 (the counterpart of
-:mod:`modelgraft.conversion._transformers_hooks`, which wires it into 5.x).
+:mod:`modelgraft._compat._loading_v5`, which wires it into 5.x).
 
 4.57 has no conversion machinery of its own: one checkpoint key fills one parameter, and
 ``save_pretrained`` writes ``state_dict()`` as it is. Wrapped, in ``transformers.modeling_utils``:
@@ -17,8 +17,8 @@
   the default, as on 5.x) by reversing modelgraft's conversions in the state dict it saves.
 
 Example:
-    >>> from modelgraft import _compat_v4_conversion
-    >>> _compat_v4_conversion.builtin_conversion_exists("qwen2_moe")
+    >>> from modelgraft._compat import _loading_v4
+    >>> _loading_v4.builtin_conversion_exists("qwen2_moe")
     False
 """
 
