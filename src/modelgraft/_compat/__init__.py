@@ -1,12 +1,22 @@
-"""What differs between the supported transformers versions, in one place.
+"""The transformers boundary: everything modelgraft knows about the installed transformers.
 
-modelgraft supports transformers 4.57.x (the last 4.x) and 5.x. The rest of the package asks
-this module instead of branching on versions itself: version facts and feature flags, how a
-load is put together (:func:`loading_internals`), how output recorders are looked up and made
-per instance (:func:`install_recorder_lookup`), where a class swap can wrap construction
-(:func:`install_construction_step`), and where MoE routing happens
-(:func:`moe_router_candidates`). The 4.57-only code lives in :mod:`modelgraft._compat._v4` and
-the 5.x-only code in :mod:`modelgraft._compat._v5`; exactly one of them is imported.
+modelgraft supports transformers 4.57.x (the last 4.x) and 5.x. This package is the bottom layer:
+it imports nothing of modelgraft above it (only ``errors``, ``_wrapping`` and ``_forksafe``), and
+no module outside it imports transformers internals. The rest of the package asks it instead of
+branching on versions or reaching into transformers:
+
+* version facts and feature flags (:mod:`._version`);
+* every transformers attribute modelgraft wraps, in one table, installed in a stated order
+  (:mod:`.wraps`): the construction step (:func:`install_construction_step`), the loaders
+  (:func:`install_loaders`), the per-instance recorder lookup (:func:`install_recorder_lookup`)
+  and the conversion wiring (:func:`install_conversion_wiring`, which calls the conversion engine
+  through the interface in :mod:`.engine`);
+* where MoE routing happens (:func:`moe_router_candidates`), meta-device builds
+  (:func:`meta_device`), 4.57 class tables (:func:`rebind_class_tables`);
+* lookups into transformers' model catalogue and helpers (:mod:`.models`).
+
+The 4.57-only code lives in :mod:`._v4` and :mod:`._loading_v4`, the 5.x-only code in :mod:`._v5`
+and :mod:`._loading_v5`; exactly one of each pair is imported.
 
 Example:
     >>> from modelgraft import _compat
@@ -20,14 +30,35 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-import transformers
-from packaging.version import Version
-
-from modelgraft.errors import UnsupportedTransformersError
+# Every module here imports `_version` before anything of transformers: an unsupported
+# transformers is refused with a clear error before any internal of it is touched.
+from modelgraft._compat import loading as _loading
+from modelgraft._compat._version import (
+    FUSED_MOE_EXPERTS,
+    HAS_BUILTIN_CONVERSION,
+    HAS_BUILTIN_PATCHING,
+    IS_V5,
+    SUPPORTED_RANGES,
+    TRANSFORMERS_MAJOR,
+    TRANSFORMERS_VERSION,
+    check_supported,
+    is_supported,
+)
+from modelgraft._compat.engine import ConversionEngine
+from modelgraft._compat.loading import builtin_checkpoint_conversions, builtin_conversion_exists
+from modelgraft._compat.models import (
+    auto_model_class,
+    causal_lm_loss,
+    default_apply_gate,
+    model_types_by_module,
+    modeling_files,
+    revert_builtin_conversion,
+)
+from modelgraft._compat.wraps import WrapGroup
+from modelgraft._wrapping import Make
 
 __all__ = [
     "FUSED_MOE_EXPERTS",
@@ -37,184 +68,70 @@ __all__ = [
     "SUPPORTED_RANGES",
     "TRANSFORMERS_MAJOR",
     "TRANSFORMERS_VERSION",
-    "LoadingInternals",
-    "bind_instance_recorders",
+    "ConversionEngine",
+    "auto_model_class",
     "builtin_checkpoint_conversions",
+    "builtin_conversion_exists",
+    "causal_lm_loss",
     "check_supported",
-    "class_recorders",
     "construction_step_installed",
-    "conversion_hooks",
+    "conversion_wiring_installed",
+    "default_apply_gate",
     "defines_layout_moe",
-    "initialize_missing_keys",
     "install_construction_step",
+    "install_conversion_wiring",
+    "install_loaders",
     "install_recorder_lookup",
-    "instance_recorders",
     "is_supported",
-    "loading_internals",
+    "loaders_installed",
     "meta_device",
+    "model_types_by_module",
+    "modeling_files",
     "moe_router_candidates",
-    "output_recorder_class",
     "rebind_class_tables",
-    "recorder_lookup_installed",
     "restore_class_tables",
+    "revert_builtin_conversion",
     "track_instance_recorders",
     "uninstall_construction_step",
+    "uninstall_conversion_wiring",
+    "uninstall_loaders",
     "uninstall_recorder_lookup",
 ]
-
-SUPPORTED_RANGES = ">=4.57,<4.58 or >=5.0,<6"
-
-TRANSFORMERS_VERSION = Version(transformers.__version__)
-TRANSFORMERS_MAJOR = TRANSFORMERS_VERSION.major
-IS_V5 = TRANSFORMERS_MAJOR == 5
-
-
-def is_supported(version: Version | str = TRANSFORMERS_VERSION) -> bool:
-    """Whether modelgraft supports this transformers version (pre-releases of a supported line count).
-
-    Example:
-        >>> is_supported("4.57.6"), is_supported("5.23.0"), is_supported("4.56.2"), is_supported("6.0.0")
-        (True, True, False, False)
-    """
-    version = Version(str(version))
-    return (version.major, version.minor) == (4, 57) or version.major == 5
-
-
-def check_supported(version: Version | str = TRANSFORMERS_VERSION) -> None:
-    """Raise :class:`~modelgraft.errors.UnsupportedTransformersError` unless ``version`` is supported.
-
-    Runs when modelgraft is imported, so an unsupported transformers fails early with a message
-    that says which versions work.
-
-    Example:
-        >>> check_supported("5.0.0")
-        >>> check_supported("4.46.0")
-        Traceback (most recent call last):
-        ...
-        modelgraft.errors.UnsupportedTransformersError: modelgraft supports transformers >=4.57,<4.58 or >=5.0,<6; found `4.46.0`. ...
-    """
-    if not is_supported(version):
-        raise UnsupportedTransformersError(
-            f"modelgraft supports transformers {SUPPORTED_RANGES}; found `{version}`. "
-            "Install a supported release, e.g. `pip install 'transformers>=5,<6'` "
-            "(or `pip install 'transformers~=4.57.0'` to stay on 4.x)."
-        )
-
-
-check_supported()
-
-# Feature flags. Each says what the installed transformers has, so callers need no version test.
-#: transformers ships its own ``monkey_patching`` module (5.x); 4.57 has none.
-HAS_BUILTIN_PATCHING = IS_V5
-#: transformers converts checkpoint layouts itself (``WeightConverter``, ``conversion_mapping``,
-#: ``revert_weight_conversion`` on save): 5.x. On 4.57 a checkpoint key maps to one parameter.
-HAS_BUILTIN_CONVERSION = IS_V5
-#: MoE experts are one module with 3D parameters (5.x) rather than a ``ModuleList`` of per-expert
-#: MLPs (4.57). Checkpoints use per-expert keys on both.
-FUSED_MOE_EXPERTS = IS_V5
 
 if IS_V5:
     from modelgraft._compat import _v5 as _impl
 else:
     from modelgraft._compat import _v4 as _impl
 
-
-@dataclass(frozen=True)
-class LoadingInternals:
-    """How the installed transformers builds and loads a model (facts, not behaviour).
-
-    Attributes:
-        init_context_method: classmethod of ``PreTrainedModel`` that returns the context managers
-            ``from_pretrained`` builds the model under (both versions).
-        from_config_has_init_contexts: ``_from_config`` enters a list of context managers around
-            ``cls(config)`` (5.x); on 4.57 it calls ``cls(config)`` directly, so a swap must wrap
-            the whole ``_from_config``.
-        builtin_patch_context: transformers enters its own ``apply_patches()`` around construction
-            (5.x). It is a no-op while its own registry is empty.
-        from_pretrained_builds_on_meta: ``from_pretrained`` constructs on the meta device and only
-            missing keys get ``_init_weights`` (both versions; 4.57 via ``init_empty_weights`` plus
-            ``no_init_weights``, 5.x via ``torch.device("meta")``).
-        missing_keys_argument: ``_initialize_missing_keys`` takes the missing keys (4.57:
-            ``(missing_keys, is_quantized)``); 5.x takes ``(is_quantized)`` and initialises every
-            tensor without ``_is_hf_initialized``.
-        save_reverts_conversions: ``save_pretrained`` reverses the load-time conversions itself
-            (5.x ``revert_weight_conversion``); 4.57 writes ``state_dict()`` as is.
-        record_registry_module: module holding ``_CAN_RECORD_REGISTRY`` and ``OutputRecorder``.
-    """
-
-    init_context_method: str
-    from_config_has_init_contexts: bool
-    builtin_patch_context: bool
-    from_pretrained_builds_on_meta: bool
-    missing_keys_argument: bool
-    save_reverts_conversions: bool
-    record_registry_module: str
+_loaders = WrapGroup("loaders")
 
 
-def loading_internals() -> LoadingInternals:
-    """The :class:`LoadingInternals` of the installed transformers.
+def install_loaders(makers: Mapping[str, Make]) -> None:
+    """Wrap transformers' loaders with ``makers`` (``{attribute: make(original) -> wrapper}``;
+    the ``loaders`` sites of :mod:`.wraps`). Install the construction step first (idempotent).
 
     Example:
-        >>> facts = loading_internals()
-        >>> facts.init_context_method, facts.save_reverts_conversions == IS_V5
-        ('get_init_context', True)
+        >>> import modelgraft  # installs its load hooks
+        >>> loaders_installed()
+        True
     """
-    return LoadingInternals(
-        init_context_method="get_init_context",
-        from_config_has_init_contexts=IS_V5,
-        builtin_patch_context=IS_V5,
-        from_pretrained_builds_on_meta=True,
-        missing_keys_argument=not IS_V5,
-        save_reverts_conversions=IS_V5,
-        record_registry_module=_impl.RECORD_REGISTRY_MODULE,
-    )
+    _loaders.install(makers)
 
 
-def initialize_missing_keys(model: Any, missing_keys: list[str] | set[str]) -> None:
-    """Run transformers' own initialisation for ``missing_keys`` of ``model`` (and nothing else).
+def uninstall_loaders() -> None:
+    """Undo :func:`install_loaders` (idempotent)."""
+    _loaders.uninstall()
 
-    Tensors not in ``missing_keys`` are marked initialised first, so their values are kept; the
-    model's ``_init_weights`` then fills the modules that own a missing tensor. Tensors on the
-    meta device must have been materialised by the caller.
 
-    Args:
-        model: a ``PreTrainedModel``.
-        missing_keys: state-dict keys of ``model`` that no checkpoint tensor filled.
+def loaders_installed() -> bool:
+    """Whether :func:`install_loaders` is in effect.
 
     Example:
-        >>> import torch
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
-        >>> config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        ...     num_attention_heads=2, num_key_value_heads=1, vocab_size=32)
-        >>> model = LlamaForCausalLM(config)
-        >>> with torch.no_grad():
-        ...     _ = model.model.norm.weight.fill_(7.0), model.lm_head.weight.fill_(7.0)
-        >>> initialize_missing_keys(model, ["model.norm.weight"])
-        >>> model.model.norm.weight.unique().tolist(), bool((model.lm_head.weight == 7.0).all())
-        ([1.0], True)
+        >>> import modelgraft  # installs its load hooks
+        >>> loaders_installed()
+        True
     """
-    _impl.initialize_missing_keys(model, set(missing_keys))
-
-
-def output_recorder_class() -> type:
-    """transformers' ``OutputRecorder`` dataclass (it moved between modules in 5.x).
-
-    Example:
-        >>> output_recorder_class().__name__
-        'OutputRecorder'
-    """
-    return _impl.output_recorder_class()
-
-
-def class_recorders(model: Any) -> dict[str, Any]:
-    """The ``_can_record_outputs`` transformers defines for ``model``'s class (a shallow copy).
-
-    Example:
-        >>> import torch
-        >>> class_recorders(torch.nn.Linear(1, 1))
-        {}
-    """
-    return dict(getattr(type(model), "_can_record_outputs", None) or {})
+    return _loaders.installed
 
 
 def install_recorder_lookup() -> None:
@@ -228,20 +145,8 @@ def install_recorder_lookup() -> None:
 
     Example:
         >>> install_recorder_lookup(); install_recorder_lookup()  # idempotent
-        >>> recorder_lookup_installed()
-        True
     """
     _impl.install_recorder_lookup()
-
-
-def recorder_lookup_installed() -> bool:
-    """Whether :func:`install_recorder_lookup` is in effect.
-
-    Example:
-        >>> isinstance(recorder_lookup_installed(), bool)
-        True
-    """
-    return _impl.recorder_lookup_installed()
 
 
 def uninstall_recorder_lookup() -> None:
@@ -267,43 +172,28 @@ def track_instance_recorders(model: Any) -> None:
     _impl.track_instance_recorders(model)
 
 
-def bind_instance_recorders(model: Any, recorders: Mapping[str, Any]) -> None:
-    """Make transformers capture outputs of ``model`` (and of no other model) with ``recorders``.
+def install_conversion_wiring(engine: ConversionEngine) -> None:
+    """Wire ``engine`` into transformers' load and save steps (the ``conversion`` sites; idempotent).
 
-    Sets ``model.__dict__["_can_record_outputs"]`` (the class attribute is untouched), installs
-    the lookup and tracks the instance. Call it before the model's first forward that requests
-    outputs (5.x installs its capture hooks once, on that forward).
-
-    Args:
-        model: a ``PreTrainedModel`` instance (a sub-model of a composite model is fine).
-        recorders: output name to recorder, as in ``_can_record_outputs`` (a class, a class-name
-            suffix, an ``OutputRecorder`` or a list of them).
-
-    Example:
-        >>> import torch
-        >>> from transformers import LlamaConfig, LlamaModel
-        >>> config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        ...     num_attention_heads=2, num_key_value_heads=1, vocab_size=32, attn_implementation="eager")
-        >>> model, other = LlamaModel(config), LlamaModel(config)
-        >>> bind_instance_recorders(model, {})  # record nothing on this instance only
-        >>> ids = torch.tensor([[1, 2, 3]])
-        >>> model(ids, output_attentions=True).attentions, len(other(ids, output_attentions=True).attentions)
-        (None, 2)
+    See :mod:`.loading`: the conversion engine passes itself here, so this layer never imports it.
     """
-    object.__setattr__(model, "_can_record_outputs", dict(recorders))
-    install_recorder_lookup()
-    track_instance_recorders(model)
+    _loading.install(engine)
 
 
-def instance_recorders(model: Any) -> dict[str, Any] | None:
-    """The recorder map bound to the ``model`` instance itself, or ``None``.
+def uninstall_conversion_wiring() -> None:
+    """Undo :func:`install_conversion_wiring` (idempotent)."""
+    _loading.uninstall()
+
+
+def conversion_wiring_installed() -> bool:
+    """Whether a conversion engine is wired in.
 
     Example:
-        >>> import torch
-        >>> instance_recorders(torch.nn.Linear(1, 1)) is None
+        >>> import modelgraft  # wires its engine in
+        >>> conversion_wiring_installed()
         True
     """
-    return getattr(model, "__dict__", {}).get("_can_record_outputs")
+    return _loading.installed()
 
 
 def install_construction_step(step: Callable[[], AbstractContextManager[Any]]) -> None:
@@ -344,24 +234,6 @@ def uninstall_construction_step() -> None:
         True
     """
     _impl.uninstall_construction_step()
-
-
-def conversion_hooks() -> ModuleType:
-    """The module that wires modelgraft's conversion engine into the installed transformers.
-
-    It has ``install()``, ``uninstall()``, ``installed()`` and ``builtin_conversion_exists(key)``:
-    :mod:`modelgraft._compat._loading_v5` on 5.x, :mod:`modelgraft._compat._loading_v4`
-    on 4.57 (which has no built-in conversions).
-
-    Example:
-        >>> conversion_hooks().builtin_conversion_exists("qwen2_moe") == HAS_BUILTIN_CONVERSION
-        True
-    """
-    if IS_V5:
-        from modelgraft._compat import _loading_v5 as hooks
-    else:
-        from modelgraft._compat import _loading_v4 as hooks
-    return hooks
 
 
 def meta_device() -> AbstractContextManager[Any]:
@@ -441,24 +313,6 @@ def restore_class_tables(log: list[tuple[dict, Any, type, type]]) -> None:
     for table, key, original, replacement in reversed(log):
         if table.get(key) is replacement:
             table[key] = original
-
-
-def builtin_checkpoint_conversions(model_type: str) -> list[Any]:
-    """transformers' own conversion entries for ``model_type`` (its ``WeightConverter``/``WeightRenaming``).
-
-    Empty on 4.57, which converts no checkpoint layout, and for model types 5.x does not convert.
-
-    Example:
-        >>> (len(builtin_checkpoint_conversions("qwen2_moe")) > 0) == HAS_BUILTIN_CONVERSION
-        True
-        >>> builtin_checkpoint_conversions("llama")
-        []
-    """
-    if not HAS_BUILTIN_CONVERSION:
-        return []
-    from transformers import conversion_mapping
-
-    return list(conversion_mapping.get_checkpoint_conversion_mapping(model_type) or [])
 
 
 def moe_router_candidates(modules: Mapping[str, Any]) -> Iterator[tuple[str, Any, Any]]:

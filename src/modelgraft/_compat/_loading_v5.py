@@ -1,7 +1,9 @@
-"""The transformers-version-specific wiring of the conversion engine (transformers 5.x).
+"""The conversion engine's wiring into transformers 5.x (the counterpart of
+:mod:`modelgraft._compat._loading_v4`); see :mod:`modelgraft._compat.loading`.
 
-Everything that names a transformers internal lives here, so that supporting another version
-means adding one module like this one. Wrapped, in ``transformers.modeling_utils``:
+The engine is the :class:`~modelgraft._compat.loading.ConversionEngine` given to :func:`install`;
+this module never imports it. Wrapped (the ``conversion`` sites of :mod:`modelgraft._compat.wraps`),
+in ``transformers.modeling_utils``:
 
 * ``PreTrainedModel.post_init``: remembers the conversion scopes a model was built under, so a
   model made with ``from_config`` saves its original layout after the scope has ended.
@@ -26,21 +28,29 @@ from typing import Any
 import torch
 from transformers import conversion_mapping as _tcm
 from transformers import core_model_loading as _tcore
-from transformers import modeling_utils as _mu
 
-from modelgraft._wrapping import Wrappers
-from modelgraft.conversion import load as _load
-from modelgraft.conversion import save as _save
-from modelgraft.conversion.rules import has_any_conversions
+from modelgraft._compat.engine import ConversionEngine
+from modelgraft._compat.wraps import WrapGroup
 
-__all__ = ["builtin_conversion_exists", "install", "installed", "uninstall"]
+__all__ = [
+    "builtin_checkpoint_conversions",
+    "builtin_conversion_exists",
+    "install",
+    "installed",
+    "uninstall",
+]
 
-_wrappers = Wrappers()
+_wrappers = WrapGroup("conversion")
 
 
 def builtin_conversion_exists(key: str) -> bool:
     """Whether the installed transformers has its own conversion entry for ``key``."""
     return _tcm.get_checkpoint_conversion_mapping(key) is not None
+
+
+def builtin_checkpoint_conversions(model_type: str) -> list[Any]:
+    """transformers' own conversion entries for ``model_type``."""
+    return list(_tcm.get_checkpoint_conversion_mapping(model_type) or [])
 
 
 def _signature(transform: Any) -> tuple:
@@ -51,29 +61,32 @@ def _signature(transform: Any) -> tuple:
     )
 
 
-def _filter_builtins(model: Any, transforms: list) -> list:
-    scopes = _load.resolve_scopes(model)
-    if not scopes:
+def _filter_builtins(engine: ConversionEngine, model: Any, transforms: list) -> list:
+    paths = engine.scope_paths(model)
+    if not paths:
         return transforms
     drop: set[tuple] = set()
     base = getattr(model, "base_model_prefix", "") or ""
-    for scope in scopes:
-        sub = model.get_submodule(scope.path) if scope.path else model
+    for path in paths:
+        sub = model.get_submodule(path) if path else model
         builtin = _tcm.extract_weight_conversions_for_model(sub) or []
         # transformers scopes sub-model transforms with the path minus the base model prefix.
-        prefix = None if not scope.path else scope.path.removeprefix(base).removeprefix(".")
+        prefix = None if not path else path.removeprefix(base).removeprefix(".")
         drop.update((prefix, *_signature(t)) for t in builtin)
     return [t for t in transforms if (getattr(t, "scope_prefix", None), *_signature(t)) not in drop]
 
 
-def _wrap_get_model_conversion_mapping(original: Any) -> Any:
-    def get_model_conversion_mapping(model: Any, *args: Any, **kwargs: Any) -> list:
-        transforms = original(model, *args, **kwargs)
-        if not has_any_conversions():
-            return transforms
-        return _filter_builtins(model, transforms)
+def _wrap_get_model_conversion_mapping(engine: ConversionEngine) -> Any:
+    def wrap(original: Any) -> Any:
+        def get_model_conversion_mapping(model: Any, *args: Any, **kwargs: Any) -> list:
+            transforms = original(model, *args, **kwargs)
+            if not engine.active():
+                return transforms
+            return _filter_builtins(engine, model, transforms)
 
-    return get_model_conversion_mapping
+        return get_model_conversion_mapping
+
+    return wrap
 
 
 def _renamer(weight_mapping: list) -> Any:
@@ -111,66 +124,74 @@ def _quantizing_placer(model: Any, quantizer: Any, loading_info: Any) -> Any:
     return place
 
 
-def _wrap_load_pretrained_model(original: Any) -> Any:
-    def _load_pretrained_model(
-        model: Any, state_dict: Any, checkpoint_files: Any, load_config: Any, *a, **kw
-    ):
-        loading_info, offload_index = original(model, state_dict, checkpoint_files, load_config, *a, **kw)
-        if has_any_conversions():
-            offloaded: dict = offload_index if offload_index is not None else {}
+def _wrap_load_pretrained_model(engine: ConversionEngine) -> Any:
+    def wrap(original: Any) -> Any:
+        def _load_pretrained_model(
+            model: Any, state_dict: Any, checkpoint_files: Any, load_config: Any, *a: Any, **kw: Any
+        ) -> Any:
+            loading_info, offload_index = original(model, state_dict, checkpoint_files, load_config, *a, **kw)
+            if engine.active():
+                offloaded: dict = offload_index if offload_index is not None else {}
 
-            def offload(key: str, tensor: torch.Tensor) -> None:
-                # Converted weights have no range in the checkpoint to point at: written out, as
-                # transformers does for its own converted weights, and read back when used.
-                from transformers.integrations.accelerate import offload_weight
+                def offload(key: str, tensor: torch.Tensor) -> None:
+                    # Converted weights have no range in the checkpoint to point at: written out, as
+                    # transformers does for its own converted weights, and read back when used.
+                    from transformers.integrations.accelerate import offload_weight  # only when offloading
 
-                offload_weight(tensor, key, getattr(load_config, "disk_offload_folder", None), offloaded)
+                    offload_weight(tensor, key, getattr(load_config, "disk_offload_folder", None), offloaded)
 
-            _load.apply_load_conversions(
-                model,
-                checkpoint_files,
-                loading_info.missing_keys,
-                loading_info.unexpected_keys,
-                _load.device_for_map(getattr(load_config, "device_map", None)),
-                _renamer(getattr(load_config, "weight_mapping", None) or []),
-                offload,
-                _quantizing_placer(model, getattr(load_config, "hf_quantizer", None), loading_info),
-                state_dict=state_dict,  # `from_pretrained(..., state_dict=)`: converted like files
-            )
-            if offloaded and offload_index is None:
-                offload_index = offloaded
-        return loading_info, offload_index
+                engine.load(
+                    model,
+                    checkpoint_files,
+                    loading_info.missing_keys,
+                    loading_info.unexpected_keys,
+                    device_map=getattr(load_config, "device_map", None),
+                    rename=_renamer(getattr(load_config, "weight_mapping", None) or []),
+                    offload=offload,
+                    place=_quantizing_placer(model, getattr(load_config, "hf_quantizer", None), loading_info),
+                    state_dict=state_dict,  # `from_pretrained(..., state_dict=)`: converted like files
+                )
+                if offloaded and offload_index is None:
+                    offload_index = offloaded
+            return loading_info, offload_index
 
-    return _load_pretrained_model
+        return _load_pretrained_model
 
-
-def _wrap_post_init(original: Any) -> Any:
-    def post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        if has_any_conversions():
-            _load.remember_conversions(self)
-        return result
-
-    return post_init
+    return wrap
 
 
-def _wrap_revert(original: Any) -> Any:
-    def revert_weight_conversion(model: Any, state_dict: dict) -> dict:
-        reversed_ = _save.reverse_state_dict(model, state_dict)
-        if reversed_ is None:
-            return original(model, state_dict)
-        converted, untouched, scopes = reversed_
-        rest = {k: state_dict[k] for k in untouched}
-        rest.update(converted)
-        root_claimed = any(not s.path for s in scopes)
-        # A root entry is the model's whole mapping: without load-time transforms to undo,
-        # transformers would rebuild its built-in ones from the registry, so skip it. Otherwise
-        # its remaining transforms (renamings of legacy layouts, other sub-models) still apply.
-        if root_claimed and getattr(model, "_weight_conversions", None) is None:
-            return rest
-        return original(model, rest)
+def _wrap_post_init(engine: ConversionEngine) -> Any:
+    def wrap(original: Any) -> Any:
+        def post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            if engine.active():
+                engine.remember(self)
+            return result
 
-    return revert_weight_conversion
+        return post_init
+
+    return wrap
+
+
+def _wrap_revert(engine: ConversionEngine) -> Any:
+    def wrap(original: Any) -> Any:
+        def revert_weight_conversion(model: Any, state_dict: dict) -> dict:
+            reversed_ = engine.reverse(model, state_dict)
+            if reversed_ is None:
+                return original(model, state_dict)
+            rest = {k: state_dict[k] for k in reversed_.untouched}
+            rest.update(reversed_.converted)
+            root_claimed = "" in reversed_.scope_paths
+            # A root entry is the model's whole mapping: without load-time transforms to undo,
+            # transformers would rebuild its built-in ones from the registry, so skip it. Otherwise
+            # its remaining transforms (renamings of legacy layouts, other sub-models) still apply.
+            if root_claimed and getattr(model, "_weight_conversions", None) is None:
+                return rest
+            return original(model, rest)
+
+        return revert_weight_conversion
+
+    return wrap
 
 
 def installed() -> bool:
@@ -178,16 +199,15 @@ def installed() -> bool:
     return _wrappers.installed
 
 
-def install() -> None:
-    """Install the load/save wrappers (idempotent)."""
-    base = _mu.PreTrainedModel
+def install(engine: ConversionEngine) -> None:
+    """Install the load/save wrappers calling ``engine`` (idempotent)."""
     _wrappers.install(
-        [
-            (_mu, "get_model_conversion_mapping", _wrap_get_model_conversion_mapping),
-            (_mu, "revert_weight_conversion", _wrap_revert),
-            (base, "_load_pretrained_model", _wrap_load_pretrained_model),
-            (base, "post_init", _wrap_post_init),
-        ]
+        {
+            "get_model_conversion_mapping": _wrap_get_model_conversion_mapping(engine),
+            "revert_weight_conversion": _wrap_revert(engine),
+            "_load_pretrained_model": _wrap_load_pretrained_model(engine),
+            "post_init": _wrap_post_init(engine),
+        }
     )
 
 

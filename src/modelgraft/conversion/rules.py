@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequenc
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from modelgraft import registry
+from modelgraft import _compat, registry
 from modelgraft.conversion.ops import ConversionOperation
 from modelgraft.errors import ConversionError
 
@@ -243,13 +243,6 @@ def validate_conversions(
     return {k: _validate_entry(k, v) for k, v in (conversions or {}).items()}
 
 
-def _builtin_has(key: str) -> bool:
-    """Whether the installed transformers ships its own conversion for ``key``."""
-    from modelgraft import _compat
-
-    return _compat.conversion_hooks().builtin_conversion_exists(key)
-
-
 def register_checkpoint_conversion_mapping(
     model_type_or_class_name: str, mapping: Sequence[WeightConverter], overwrite: bool = False
 ) -> None:
@@ -272,7 +265,11 @@ def register_checkpoint_conversion_mapping(
     """
     items = _validate_entry(model_type_or_class_name, mapping)
     key = model_type_or_class_name
-    if not overwrite and _builtin_has(key) and key not in registry._global_entries(registry.CONVERSIONS):
+    if (
+        not overwrite
+        and _compat.builtin_conversion_exists(key)
+        and key not in registry._global_entries(registry.CONVERSIONS)
+    ):
         raise _exists(key, "the installed transformers")
 
     def duplicate(key: str, _existing: Conversions) -> ConversionError:
