@@ -63,8 +63,8 @@ from modelgraft._live_carry import (
 )
 from modelgraft.conversion import rules
 from modelgraft.conversion._plan import Group, plan_groups, run_convert
-from modelgraft.conversion.load import resolve_scopes
 from modelgraft.conversion.save import remember_graft
+from modelgraft.conversion.scopes import resolve_scopes
 from modelgraft.errors import ConversionError, GraftError
 from modelgraft.registry import Snapshot
 from modelgraft.report import ConversionRecord, ReplacedModule, _report_for

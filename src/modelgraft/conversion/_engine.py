@@ -17,14 +17,10 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from modelgraft._compat.engine import Offload, Place, Reversed
-from modelgraft.conversion.load import (
-    apply_load_conversions,
-    device_for_map,
-    remember_conversions,
-    resolve_scopes,
-)
+from modelgraft.conversion.load import apply_load_conversions, device_for_map
 from modelgraft.conversion.rules import has_any_conversions
 from modelgraft.conversion.save import reverse_state_dict
+from modelgraft.conversion.scopes import remember_conversions, resolve_scopes
 from modelgraft.report import _report_for
 
 __all__ = ["ENGINE"]
