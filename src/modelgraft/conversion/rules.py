@@ -3,7 +3,8 @@
 A pattern is a dotted run of key segments; ``*`` stands for one index segment (an expert
 number). ``q_proj`` matches ``model.layers.0.self_attn.q_proj.weight`` (and ``.bias``): the part
 before the run is the *prefix*, the part after it the *suffix*, and the converter writes
-``prefix + target_pattern + suffix``.
+``prefix + target_pattern + suffix``. The pattern syntax and the matching live in
+:mod:`modelgraft.conversion.keys`.
 
 Lookup, for a model and each of its sub-models: the entry registered under the class name wins
 over the one under ``model_type``, and the chosen entry is the whole mapping for that (sub)model.
