@@ -28,11 +28,13 @@ from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn, TextIO
 
 import torch
+from transformers import logging as hf_logging
 
-from modelgraft import _compat
+from modelgraft import _compat, registry, swap
 from modelgraft._target import TargetError, import_object, model_class_for, resolve_config
 from modelgraft.errors import GraftError
 from modelgraft.graft import Graft, scope
+from modelgraft.verify import verify
 
 __all__ = ["main"]
 
@@ -55,8 +57,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except _UsageError as exc:
         return _refuse(exc.prog, json_mode, f"UsageError: {exc}" if json_mode else str(exc), stdout)
-    from transformers.utils import logging as hf_logging
-
     # Progress bars and load warnings would interleave with the tables (and break --json on stdout
     # for tools that merge the streams); restored afterwards for callers of main() in process.
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
@@ -236,8 +236,6 @@ def _reported(what: str) -> Iterator[None]:
 
 def _key_candidates(class_name: str) -> dict[str, Any]:
     """Which keys match ``class_name``, which one wins and why, as plain data."""
-    from modelgraft import registry
-
     explanation = registry.explain(class_name, registry.snapshot())
     winner = None
     if explanation.winner is not None and explanation.replacement is not None:
@@ -275,8 +273,6 @@ def inspect_architecture(target: str) -> dict[str, Any]:
         >>> [c["count"] for c in info["classes"] if c["class"] == "LlamaDecoderLayer"]
         [32]
     """
-    from modelgraft import registry
-
     start = time.perf_counter()
     config, _ = resolve_config(target)
     model_cls = model_class_for(config)
@@ -316,8 +312,6 @@ def inspect_architecture(target: str) -> dict[str, Any]:
 def _describe_class(cls: type, example: torch.nn.Module) -> dict[str, Any]:
     # Classes outside the patch scope (torch, non-modeling transformers modules such as
     # activations) are never swapped at load time: say so instead of listing keys for them.
-    from modelgraft import swap
-
     patchable = not swap._is_library_module(cls.__module__)
     # Containers (a whole decoder stack) would list thousands of tensors; their own direct
     # parameters plus a count say more.
@@ -405,8 +399,6 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from modelgraft.verify import verify
-
     _run_imports(args.imports)
     bundles = [_load_graft(ref, _model_type_of(args.target)) for ref in args.graft or ()]
     result = verify(args.target, graft=bundles or None, atol=args.atol, rtol=args.rtol, seed=args.seed)

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 from transformers import PretrainedConfig
+from transformers import logging as hf_logging
 
 from modelgraft._compare import compare_outputs, few, same_bits
 from modelgraft._families import tiny_config
@@ -238,8 +239,6 @@ def _workdir(workdir: str | Path | None) -> Iterator[Path]:
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """No progress bars for the half-dozen loads and saves of one verification."""
-    from transformers.utils import logging as hf_logging
-
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
