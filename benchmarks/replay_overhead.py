@@ -151,8 +151,10 @@ def main() -> None:
     lengths = torch.tensor([256, 192, 128, 224])
     mask = (torch.arange(256) < lengths[:, None]).long()
     padded = torch.randint(1, 1024, (4, 256), generator=torch.Generator().manual_seed(1)) * mask
+    # Right padding does not change what causal attention gives the real tokens, so the rollout is
+    # recorded without the mask (DeepSeek-V3's sdpa path fails on a padding mask at these sizes).
     with torch.no_grad(), record_routing(model) as rollout:
-        model(input_ids=padded, attention_mask=mask, use_cache=False)
+        model(input_ids=padded, use_cache=False)
     modes = ("plain", "record", "replay")
     for mode in modes:  # warm-up
         _packed_step(model, padded, mask, mode, rollout)
