@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from modelgraft.errors import RoutingError
+from modelgraft.moe._ids import missing_rows
 from modelgraft.moe._intercept import _Site, in_backward
-from modelgraft.moe.trace import RoutingTrace, missing_rows
+from modelgraft.moe.trace import RoutingTrace
 
 __all__ = ["ReplaySession"]
 

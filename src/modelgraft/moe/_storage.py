@@ -8,7 +8,7 @@ Example:
     >>> import torch
     >>> from modelgraft.moe.trace import RoutingTrace
     >>> data = trace_bytes(RoutingTrace([torch.tensor([[1, 0]])], top_k=2, num_experts=300))
-    >>> trace_from_bytes(data).layers[0].dtype  # 300 experts do not fit uint8
+    >>> trace_from_bytes(data)["layers"][0].dtype  # 300 experts do not fit uint8
     torch.int16
 """
 
@@ -17,12 +17,15 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from modelgraft.errors import RoutingError
-from modelgraft.moe.trace import MISSING_POLICIES, RoutingTrace, is_id_dtype, missing_rows, to_compact, widen
+from modelgraft.moe._ids import MISSING_POLICIES, is_id_dtype, missing_rows, to_compact, widen
+
+if TYPE_CHECKING:  # the trace imports this module to save and load itself
+    from modelgraft.moe.trace import RoutingTrace
 
 _FORMAT = "modelgraft.routing/1"
 
@@ -66,8 +69,8 @@ def trace_bytes(trace: RoutingTrace) -> bytes:
     return save(tensors, metadata=meta)
 
 
-def load_trace(path: str | os.PathLike[str]) -> RoutingTrace:
-    """Read a trace file (see :meth:`RoutingTrace.load`)."""
+def load_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a trace file: the fields of its :class:`RoutingTrace` (see :meth:`RoutingTrace.load`)."""
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -84,8 +87,8 @@ def load_trace(path: str | os.PathLike[str]) -> RoutingTrace:
         ) from exc
 
 
-def trace_from_bytes(data: bytes) -> RoutingTrace:
-    """Read the bytes of :func:`trace_bytes` (see :meth:`RoutingTrace.from_bytes`)."""
+def trace_from_bytes(data: bytes) -> dict[str, Any]:
+    """Read the bytes of :func:`trace_bytes`: the fields of the trace (see :meth:`RoutingTrace.from_bytes`)."""
     from safetensors import SafetensorError
     from safetensors.torch import load
 
@@ -124,16 +127,7 @@ def _read(
     expected = [f"layer.{i}" for i in range(len(fields["layer_ids"]))]
     _check_names(path, names, expected)
     layers = [_read_layer(path, name, get(name), fields) for name in expected]
-    return RoutingTrace(
-        layers,
-        fields["layer_ids"],
-        fields["top_k"],
-        fields["num_experts"],
-        fields["model_type"],
-        fields["layer_names"],
-        fields["batch_size"],
-        fields["missing"],
-    )
+    return {"layers": layers, **fields}
 
 
 def _json_field(path: Any, meta: dict[str, str], key: str, default: str | None = None) -> Any:

@@ -36,8 +36,10 @@ import torch
 from torch import nn
 
 from modelgraft.errors import RoutingError
+from modelgraft.moe._ids import MISSING_POLICIES, compact_dtype, spread_fill
+from modelgraft.moe._layers import moe_layers
 from modelgraft.moe._payloads import Request, as_ids, sglang_requests, vllm_requests
-from modelgraft.moe.trace import MISSING_POLICIES, RoutingTrace, compact_dtype, spread_fill
+from modelgraft.moe.trace import RoutingTrace
 
 __all__ = ["from_sglang", "from_vllm", "join_routes", "layout_requests"]
 
@@ -150,8 +152,6 @@ def _model_info(
 ) -> tuple[list[int] | None, int | None, int | None, str | None, int | None]:
     if model is None:
         return None, None, None, None, None
-    from modelgraft.moe.routing import moe_layers
-
     layers = moe_layers(model)
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

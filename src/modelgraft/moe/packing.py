@@ -25,12 +25,15 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from modelgraft.errors import RoutingError
-from modelgraft.moe.trace import RoutingTrace, spread_fill
+from modelgraft.moe._ids import spread_fill
+
+if TYPE_CHECKING:  # the trace imports this module for `RoutingTrace.pack`
+    from modelgraft.moe.trace import RoutingTrace
 
 __all__ = ["pack_routes", "pack_sequences"]
 

@@ -32,39 +32,15 @@ import torch
 from torch import nn
 
 from modelgraft.errors import RoutingError
-from modelgraft.moe._discovery import MoELayer, find_moe_layers, unsupported_reason
+from modelgraft.moe._discovery import MoELayer
+from modelgraft.moe._ids import compact_dtype, is_id_dtype, missing_rows, widen
 from modelgraft.moe._intercept import _Site, hook_scope, unhook_scope
+from modelgraft.moe._layers import moe_layers
 from modelgraft.moe._layout import ForwardLog
 from modelgraft.moe._session import ReplaySession, rows_of
-from modelgraft.moe.trace import RoutingTrace, compact_dtype, is_id_dtype, missing_rows, widen
+from modelgraft.moe.trace import RoutingTrace
 
 __all__ = ["ReplaySession", "moe_layers", "record_routing", "replay_routing"]
-
-
-def moe_layers(model: nn.Module) -> list[MoELayer]:
-    """The MoE layers of ``model`` that record/replay would hook, in model order.
-
-    Raises:
-        RoutingError: the model has no MoE layer, or a family whose selection is not a top-k.
-    """
-    layers = find_moe_layers(model)
-    if not layers:
-        raise RoutingError(
-            f"`{type(model).__name__}` has no MoE router module (a `*Router`/`*Gate` next to an "
-            "`*Experts` module); record/replay needs a Mixture-of-Experts model."
-        )
-    for layer in layers:
-        reason = unsupported_reason(layer.router) or unsupported_reason(layer.scope)
-        if reason:
-            raise RoutingError(
-                f"MoE layer `{layer.name}` ({type(layer.router).__name__}) cannot be recorded or replayed: {reason}."
-            )
-    scopes = [id(layer.scope) for layer in layers]
-    if len(set(scopes)) != len(scopes):
-        raise RoutingError(
-            f"Two routers of `{type(model).__name__}` share one MoE block; one block per router is supported."
-        )
-    return layers
 
 
 @contextmanager
