@@ -30,13 +30,13 @@ import functools
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 
+from modelgraft import _compat
 from modelgraft.conversion._plan import Group, run_reverse
 from modelgraft.conversion.save import GRAFT_ATTR, _originals_bound, _plan_missing_groups, _state
-from modelgraft import _compat
 from modelgraft.errors import ConversionError, IrreversibleConversionError
 from modelgraft.report import _report_for
 
@@ -66,7 +66,7 @@ class _Out:
     index: int
 
 
-_Ref = Union[_Live, _Out]
+_Ref = _Live | _Out
 
 
 @dataclass
@@ -141,7 +141,9 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return full_tensor() if callable(full_tensor) else tensor
 
 
-def _evaluate(ref: _Ref, live: Mapping[str, torch.Tensor], memo: dict[int, list[torch.Tensor]]) -> torch.Tensor:
+def _evaluate(
+    ref: _Ref, live: Mapping[str, torch.Tensor], memo: dict[int, list[torch.Tensor]]
+) -> torch.Tensor:
     if isinstance(ref, _Live):
         return _full(live[ref.name])
     node = ref.node
@@ -228,7 +230,8 @@ def _in_original_order(units: list[_Unit], original: _Original) -> list[_Unit]:
     for i, unit in enumerate(units):
         if len(unit.names) > 1:  # a group's keys too (its sources in the plain model's order)
             inner = sorted(
-                range(len(unit.names)), key=lambda j: (original.order.get(unit.names[j], len(original.order)), j)
+                range(len(unit.names)),
+                key=lambda j: (original.order.get(unit.names[j], len(original.order)), j),
             )
             unit = _Unit([unit.names[j] for j in inner], [unit.refs[j] for j in inner], unit.node)
         places = [original.order[n] for n in unit.names if n in original.order]
@@ -248,7 +251,11 @@ def _meta(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _check_names(
-    model: torch.nn.Module, units: list[_Unit], revert: list[bool], live: Mapping[str, torch.Tensor], original: _Original
+    model: torch.nn.Module,
+    units: list[_Unit],
+    revert: list[bool],
+    live: Mapping[str, torch.Tensor],
+    original: _Original,
 ) -> None:
     """Refuse a grafted model whose weights do not map back to exactly the plain model's names.
 
@@ -351,4 +358,3 @@ def original_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
             revert = [not set(u.names) <= original.checkpoint_keys for u in units]
             _check_names(model, units, revert, live, original)
     return _stream(model, units, revert, live)
-

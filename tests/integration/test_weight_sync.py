@@ -19,12 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
+from weight_sync_helpers import assert_matches_plain
 
 from _versions import requires_fused_experts
 from families import family
-from weight_sync_helpers import assert_matches_plain
 from modelgraft import (
     ConversionError,
     ConversionOperation,
@@ -112,6 +111,7 @@ def test_untouched_weights_are_the_parameters_themselves(checkpoint) -> None:
 def _max_alive_converted(model: torch.nn.Module) -> tuple[int, int]:
     """Iterate like a consumer that keeps nothing; the most converted tensors alive at one step,
     and how many converted tensors were yielded in all."""
+
     def ident(t: torch.Tensor) -> tuple:
         return (t.data_ptr(), tuple(t.shape), t.stride())
 
@@ -127,7 +127,7 @@ def _max_alive_converted(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def test_fused_groups_are_released_one_at_a_time(checkpoint) -> None:
-    path, plain = checkpoint("llama")
+    path, _ = checkpoint("llama")
     with fused_gate_up("llama").applied(strict=True):
         grafted = AutoModelForCausalLM.from_pretrained(path)
     graft_model(grafted, fused_qkv("llama"))
@@ -160,8 +160,35 @@ def test_an_operation_without_reverse_is_refused_before_anything_is_yielded(tmp_
     conv = WeightConverter(["mlp.down_proj"], ["mlp.down_proj"], [_NoReverse()])
     with patched({}, conversions={"llama": [conv]}):
         model = AutoModelForCausalLM.from_pretrained(tmp_path)
-        with pytest.raises(IrreversibleConversionError, match=r"`_NoReverse` has no `reverse`.*original_state_dict"):
+        with pytest.raises(
+            IrreversibleConversionError, match=r"`_NoReverse` has no `reverse`.*original_state_dict"
+        ):
             original_state_dict(model)
+
+
+class _RenamedMLP(torch.nn.Module):
+    """A replacement that names its weights differently and registers no conversion."""
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        super().__init__()
+        self.w_in = torch.nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.w_out = torch.nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_out(torch.nn.functional.silu(self.w_in(x)))
+
+
+def test_a_replacement_without_a_way_back_is_refused_before_anything_is_yielded(checkpoint) -> None:
+    path, _ = checkpoint("llama")
+    with patched({"LlamaMLP": _RenamedMLP}):
+        model = AutoModelForCausalLM.from_pretrained(path)
+    with pytest.raises(
+        ConversionError,
+        match=r"cannot give the original layout of `LlamaForCausalLM`: 4 weight\(s\) such as "
+        r"`model.layers.0.mlp.w_in.weight` are not in the original checkpoint.*"
+        r"`model.layers.0.mlp.down_proj.weight`.*Register a `WeightConverter`",
+    ):
+        original_state_dict(model)
 
 
 def test_not_a_module_is_refused() -> None:

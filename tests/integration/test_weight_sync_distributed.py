@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
+from weight_sync_helpers import assert_matches_plain
 
 from families import family
 from modelgraft import graft_model, original_state_dict
 from modelgraft.grafts import fused_qkv
 from modelgraft.moe import moe_layers, record_routing, replay_routing
-from weight_sync_helpers import assert_matches_plain
 
 WORLD = 2
 MODEL = "qwen3_moe"
@@ -74,7 +74,9 @@ def _router_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _init(rank: int, store: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD)
+    )
     # A FileStore has no server process (see test_moe_distributed.py); a lost peer errors in 300 s.
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300)
@@ -133,6 +135,11 @@ def _tp_worker(rank: int, store: str, out_dir: str, path: str, trace: Any) -> No
             "grads": _router_grads(model),
             "stream": [(name, tensor.clone()) for name, tensor in original_state_dict(model)],
         }
+        try:  # in place after the TP load: refused, the model left as it was
+            graft_model(model, fused_qkv(MODEL))
+        except Exception as error:
+            result["in_place_error"] = (type(error).__name__, str(error))
+        result["after_refusal"] = [n for n, _ in model.named_parameters()]
         with fused_qkv(MODEL).applied(strict=True):
             grafted = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
         result["grafted_stream"] = [(name, tensor.clone()) for name, tensor in original_state_dict(grafted)]
@@ -226,6 +233,16 @@ def test_tensor_parallel_grafted_load_syncs_the_plain_checkpoint(tp_run) -> None
     plain = AutoModelForCausalLM.from_pretrained(tp_run["path"])
     for got in tp_run["ranks"]:
         assert_matches_plain(got["grafted_stream"], tp_run["path"], plain)
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_model_refuses_an_in_place_graft(tp_run) -> None:
+    plain = AutoModelForCausalLM.from_pretrained(tp_run["path"])
+    for got in tp_run["ranks"]:
+        kind, message = got.get("in_place_error", ("no error", ""))
+        assert kind == "GraftStateError", (kind, message[:300])
+        assert "Cannot graft `model.layers.0.self_attn`" in message and "left unchanged" in message, message
+        assert got["after_refusal"] == [n for n, _ in plain.named_parameters()]
 
 
 @pytest.mark.distributed

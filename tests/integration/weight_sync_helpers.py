@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import torch
@@ -9,7 +10,10 @@ from safetensors.torch import load_file
 
 
 def assert_matches_plain(
-    stream: list[tuple[str, torch.Tensor]], path: Path, plain: torch.nn.Module, grafted: torch.nn.Module | None = None
+    stream: list[tuple[str, torch.Tensor]],
+    path: Path,
+    plain: torch.nn.Module,
+    grafted: torch.nn.Module | None = None,
 ) -> None:
     """``stream`` is the plain checkpoint: each name once, each tensor equal to the saved one; in
     the plain ``state_dict()`` order, but for the keys of one reversed group, which come together."""
@@ -33,5 +37,5 @@ def assert_matches_plain(
         untouched = [n for n in names if n in kept]
         assert untouched == sorted(untouched, key=place.__getitem__), "untouched keys out of plain order"
         converted = [n for n in names if n not in kept]
-        for a, b in zip(converted, converted[1:]):  # groups follow one another in the plain order
+        for a, b in itertools.pairwise(converted):  # groups follow one another in the plain order
             assert place[a] < place[b] or a.rsplit(".", 1)[-1] != b.rsplit(".", 1)[-1], (a, b)
