@@ -115,6 +115,27 @@ def _apply_groups(work: dict[str, _Ref], groups: list[Group]) -> tuple[dict[str,
     return out, units
 
 
+def _merge_outputs(units: list[_Unit]) -> list[_Unit]:
+    """Adjacent keys that one undone in-place group produces (its gate and its up) become one unit,
+    so that the group is reversed once, not once per key."""
+    merged: list[_Unit] = []
+    for unit in units:
+        ref = unit.refs[0] if unit.node is None and len(unit.refs) == 1 else None
+        last = merged[-1] if merged else None
+        if (
+            isinstance(ref, _Out)
+            and last is not None
+            and last.node is None
+            and isinstance(last.refs[0], _Out)
+            and last.refs[0].node is ref.node
+        ):
+            last.names.append(unit.names[0])
+            last.refs.append(ref)
+        else:
+            merged.append(_Unit(list(unit.names), list(unit.refs), unit.node))
+    return merged
+
+
 def _plan(model: torch.nn.Module, live_keys: list[str]) -> tuple[list[_Unit], bool]:
     """The units to stream, and whether transformers' own reverse conversion applies afterwards."""
     work: dict[str, _Ref] = {k: _Live(k) for k in live_keys}
@@ -122,13 +143,13 @@ def _plan(model: torch.nn.Module, live_keys: list[str]) -> tuple[list[_Unit], bo
         work, _ = _apply_groups(work, list(stage))
     state = _state(model)
     if state is None:
-        return [_Unit([k], [r]) for k, r in work.items()], True
+        return _merge_outputs([_Unit([k], [r]) for k, r in work.items()]), True
     keys = list(work)
     present = set(keys)
     groups = [g for g in state.groups if all(k in present for k in g.flat_targets)]
     covered = {k for g in groups for k in g.flat_targets}
     groups += _plan_missing_groups(model, state.scopes, keys, covered)
-    _, units = _apply_groups(work, groups)
+    units = _merge_outputs(_apply_groups(work, groups)[1])
     # As on save: a root entry is the model's whole mapping, so transformers' built-in reverse is
     # skipped unless the model was loaded with transforms of its own to undo.
     root_claimed = any(not s.path for s in state.scopes)
@@ -329,11 +350,9 @@ def original_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
     engine's parameter). DTensor parameters (FSDP2 ``fully_shard``, tensor parallel) are gathered
     one at a time with ``full_tensor()``: every rank must iterate, in the same order.
 
-    Example (vLLM, in the trainer process that owns the engine)::
+    Example (vLLM: ``engine_model`` is ``model_runner.model`` of the worker that holds it)::
 
-        llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(
-            modelgraft.original_state_dict(policy)
-        )
+        engine_model.load_weights(modelgraft.original_state_dict(policy))
 
     Raises:
         IrreversibleConversionError: a conversion of the model has an operation without ``reverse``
