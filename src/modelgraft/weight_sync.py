@@ -26,11 +26,9 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -178,32 +176,27 @@ def _evaluate(
     return outputs[ref.index]
 
 
-@functools.lru_cache(maxsize=1)
-def _builtin_revert() -> Any:
+def _revert_builtin(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with transformers' own load-time conversions undone (5.x), as its save does;
+    ``state`` itself where there are none (4.57, or not a transformers model)."""
     try:
-        from transformers.core_model_loading import revert_weight_conversion
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion  # the unwrapped original
     except ImportError:  # transformers 4.x: the model's layout is the checkpoint layout
-        return None
-    return revert_weight_conversion
-
-
-def _builtin_applies(model: torch.nn.Module) -> bool:
-    """Whether transformers 5.x has load-time conversions of its own to revert for ``model``."""
-    if _builtin_revert() is None:
-        return False
-    loaded_with = getattr(model, "_weight_conversions", None)
-    if loaded_with is not None:
-        return bool(loaded_with)
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import PrefixChange
-        from transformers.modeling_utils import PreTrainedModel
-    except ImportError:
-        return False
+        return state
     if not isinstance(model, PreTrainedModel):
-        return False
-    transforms = get_model_conversion_mapping(model, add_legacy=False)
-    return any(not isinstance(t, PrefixChange) for t in transforms)
+        return state
+    return revert_weight_conversion(model, dict(state))
+
+
+def _meta(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+
+def _reverts_anything(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> bool:
+    """Whether transformers' own reverse changes any name or shape of ``state`` (meta tensors)."""
+    reverted = _revert_builtin(model, dict(state))
+    return reverted.keys() != state.keys() or any(reverted[k].shape != t.shape for k, t in state.items())
 
 
 @dataclass(frozen=True)
@@ -232,9 +225,7 @@ def _original(model: torch.nn.Module) -> _Original | None:
             with _originals_bound(), _compat.meta_device():
                 original = type(model)(copy.deepcopy(config))
             state = original.state_dict()
-            checkpoint = state
-            if _builtin_applies(original):
-                checkpoint = _builtin_revert()(original, dict(state))
+            checkpoint = _revert_builtin(original, dict(state))
             found = _Original({k: i for i, k in enumerate(state)}, frozenset(state), frozenset(checkpoint))
         except Exception:  # no original to compare with: the stream keeps the model's own order
             found = None
@@ -265,10 +256,6 @@ def _was_grafted(model: torch.nn.Module) -> bool:
     """Whether modules of ``model`` were replaced (at load time, in place, or by ``apply_patches``)."""
     found = _report_for(model, create=False)
     return bool(found is not None and found.replaced)
-
-
-def _meta(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
 
 def _check_names(
@@ -305,29 +292,12 @@ def _check_names(
 def _stream(
     model: torch.nn.Module, units: list[_Unit], revert: list[bool], live: Mapping[str, torch.Tensor]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    builtin = _builtin_revert()
     for unit, reverting in zip(units, revert):
         memo: dict[int, list[torch.Tensor]] = {}
         pairs = {name: _evaluate(ref, live, memo) for name, ref in zip(unit.names, unit.refs)}
         del memo
-        if reverting and builtin is not None:
-            reverted = builtin(model, pairs)
-            # transformers sorts what it reverts; keys it left alone keep the stream's order
-            pairs = {n: reverted[n] for n in pairs} if reverted.keys() == pairs.keys() else reverted
-        yield from pairs.items()
-        del pairs  # nothing of this group outlives the step that yielded it
-
-
-def _stream(
-    model: torch.nn.Module, units: list[_Unit], builtin: bool, live: dict[str, torch.Tensor]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    revert = _builtin_revert() if builtin else None
-    for unit in units:
-        memo: dict[int, list[torch.Tensor]] = {}
-        pairs = {name: _evaluate(ref, live, memo) for name, ref in zip(unit.names, unit.refs)}
-        del memo
-        if revert is not None:
-            reverted = revert(model, pairs)
+        if reverting:
+            reverted = _revert_builtin(model, pairs)
             # transformers sorts what it reverts; keys it left alone keep the stream's order
             pairs = {n: reverted[n] for n in pairs} if reverted.keys() == pairs.keys() else reverted
         yield from pairs.items()
@@ -366,7 +336,10 @@ def original_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
         )
     live = model.state_dict()
     units, builtin = _plan(model, list(live))
-    revert = [builtin and _builtin_applies(model)] * len(units)
+    if builtin:  # only where transformers' own reverse changes something (a dry run on meta)
+        stand_ins = {k: _meta(v) for k, v in live.items()}
+        builtin = _reverts_anything(model, dict(_stream(model, units, [False] * len(units), stand_ins)))
+    revert = [builtin] * len(units)
     if any(unit.node is not None for unit in units) or _was_grafted(model):
         original = _original(model)
         if original is not None:
