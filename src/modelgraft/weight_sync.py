@@ -34,7 +34,8 @@ import torch
 
 from modelgraft import _compat
 from modelgraft.conversion._plan import Group, run_reverse
-from modelgraft.conversion.save import GRAFT_ATTR, _originals_bound, _plan_missing_groups, _state
+from modelgraft.conversion.originals import _originals_bound
+from modelgraft.conversion.save import GRAFT_ATTR, _plan_missing_groups, _state
 from modelgraft.errors import ConversionError, IrreversibleConversionError
 from modelgraft.report import _report_for
 
@@ -179,14 +180,8 @@ def _evaluate(
 def _revert_builtin(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with transformers' own load-time conversions undone (5.x), as its save does;
     ``state`` itself where there are none (4.57, or not a transformers model)."""
-    try:
-        from transformers import PreTrainedModel
-        from transformers.core_model_loading import revert_weight_conversion  # the unwrapped original
-    except ImportError:  # transformers 4.x: the model's layout is the checkpoint layout
-        return state
-    if not isinstance(model, PreTrainedModel):
-        return state
-    return revert_weight_conversion(model, dict(state))
+    reverted = _compat.revert_builtin_conversion(model, state)
+    return state if reverted is None else reverted
 
 
 def _meta(tensor: torch.Tensor) -> torch.Tensor:
