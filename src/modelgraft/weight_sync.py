@@ -306,8 +306,8 @@ def original_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
     original layout (bit for bit), with tied weights under every name, as ``state_dict()`` gives
     them. Where transformers does not convert the model itself (every family on transformers 4.57,
     dense families on 5.x) that is exactly the plain model's ``state_dict()``. The order is the
-    model's ``state_dict()`` order, each converted group's original keys at the place of its first
-    grafted key (so the plain model's order for the ready-made grafts).
+    plain model's ``state_dict()`` order, except that the keys reversed from one group come
+    together at the place of the group's first key (a fused q/k/v bias after the q/k/v weights).
 
     Memory: untouched weights are the parameters themselves (no copy); each group is reversed when
     its turn comes and released when the next one starts, so the extra memory is one group, as
@@ -322,7 +322,9 @@ def original_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
     Raises:
         IrreversibleConversionError: a conversion of the model has an operation without ``reverse``
             (raised here, before anything is yielded).
-        ConversionError: ``model`` is not a ``torch.nn.Module``.
+        ConversionError: a replaced module's weights that no conversion maps back to the original
+            checkpoint's keys, or an original key nothing produces (before anything is yielded);
+            ``model`` is not a ``torch.nn.Module``.
     """
     if not isinstance(model, torch.nn.Module):
         raise ConversionError(
