@@ -4,7 +4,7 @@ RL trainers push the policy's weights to the inference engine every step, and th
 (vLLM's ``model.load_weights(iterable)``, SGLang's ``update_weights_from_tensor``) expects the
 original checkpoint's names and layout, not a grafted one (``qkv_proj``, ``gate_up_proj``,
 per-expert ``nn.Linear``). :func:`original_state_dict` yields ``(name, tensor)`` pairs exactly as
-``save_pretrained`` would write them, one conversion group at a time:
+``save_pretrained`` of the plain model writes them, one conversion group at a time:
 
 * a weight no conversion touches is yielded as it is (the parameter's own tensor, no copy);
 * each conversion group (one fused ``qkv_proj``, one ``gate_up_proj``, one layer's experts) is
@@ -302,9 +302,9 @@ def _stream(
 def original_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` of ``model`` in the original checkpoint layout, one group at a time.
 
-    The names, shapes, dtypes and values are those ``model.save_pretrained`` writes in the
-    original layout (bit for bit), with tied weights under every name, as ``state_dict()`` gives
-    them. Where transformers does not convert the model itself (every family on transformers 4.57,
+    The names, shapes, dtypes and values are those of the original checkpoint (what
+    ``save_pretrained`` of the plain, un-grafted model writes), bit for bit, with tied weights
+    under every name, as ``state_dict()`` gives them. Where transformers does not convert the model itself (every family on transformers 4.57,
     dense families on 5.x) that is exactly the plain model's ``state_dict()``. The order is the
     plain model's ``state_dict()`` order, except that the keys reversed from one group come
     together at the place of the group's first key (a fused q/k/v bias after the q/k/v weights).
