@@ -45,6 +45,7 @@ from modelgraft.registry import (
 )
 from modelgraft.report import GraftReport, report
 from modelgraft.verify import VerifyReport, verify
+from modelgraft.weight_sync import original_state_dict
 
 __version__ = "0.1.0"
 
@@ -78,6 +79,7 @@ __all__ = [
     "get_checkpoint_conversion_mapping",
     "get_patch_mapping",
     "graft_model",
+    "original_state_dict",
     "patch_output_recorders",
     "patched",
     "register_checkpoint_conversion_mapping",
