@@ -87,6 +87,10 @@ def plan_groups(
         strict_sources: raise :class:`MissingSourceKeyError` when a group finds some but not all
             of its source patterns.
     """
+    if any(conv._hf for conv in converters):
+        from modelgraft.conversion._hf_plan import plan_hf_groups
+
+        return plan_hf_groups(converters, target_keys, source_shapes, strict_sources)
     plan = Plan()
     target_keys = list(target_keys)
     taken: set[str] = set()

@@ -265,7 +265,10 @@ def apply_load_conversions(
 
     plans: list[tuple[Scope, Plan, list[Group]]] = []
     for scope in scopes:
-        owned_missing = sorted(scope.local(k) for k in missing_keys if scope_for(scopes, k) is scope)
+        # With transformers' renaming semantics a renamed checkpoint key never loads as itself, so
+        # every key of the scope may be a target (a group then overwrites what loaded by name).
+        pool = params if any(c._hf for c in scope.converters) else missing_keys
+        owned_missing = sorted(scope.local(k) for k in pool if scope_for(scopes, k) is scope)
         if not owned_missing:
             continue
         src_shapes = {scope.local(m): source.shape(c) for c, m in to_model.items() if scope.owns(m)}
