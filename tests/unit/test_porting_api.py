@@ -22,7 +22,9 @@ def _clean():
 
 
 def test_unregister_unknown_keeps_transformers_wording():
-    with pytest.raises(PatchRegistrationError, match=r"Cannot unregister `Nope`.*not found in monkey patch mapping cache"):
+    with pytest.raises(
+        PatchRegistrationError, match=r"Cannot unregister `Nope`.*not found in monkey patch mapping cache"
+    ):
         modelgraft.unregister_patch_mapping(["Nope"])
     with pytest.raises(ValueError, match="not found in monkey patch mapping cache"):
         modelgraft.unregister_patch_mapping("Nope")
@@ -97,7 +99,9 @@ def test_string_recorder_naming_a_patched_class_follows_it():
 
 def test_class_name_only_recorder_gets_the_replacement_class():
     register_patch_mapping({"_Original": _Replacement})
-    model = _model_with({"a": _Recorder(None, class_name="_Original"), "b": _Recorder(None, class_name="self_attn")})
+    model = _model_with(
+        {"a": _Recorder(None, class_name="_Original"), "b": _Recorder(None, class_name="self_attn")}
+    )
     patch_output_recorders(model)
     assert model._can_record_outputs["a"].target_class is _Replacement
     assert model._can_record_outputs["b"].target_class is None

@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,11 +74,28 @@ def _as_groups(out: object, op: object, first: Sequence[str], second: Sequence[s
         if keys and set(keys) <= set(order):
             keys = [k for k in order if k in out]
             break
+        expanded = _by_index(out, order)
+        if expanded is not None:
+            return expanded
     groups: TensorGroups = []
     for k in keys:
         value = out[k]
         groups.append(list(value) if isinstance(value, (list, tuple)) else [value])
     return groups
+
+
+def _by_index(out: dict, patterns: Sequence[str]) -> TensorGroups | None:
+    """Groups for outputs named by ``*`` patterns with the index filled in (``experts.3.w1``), if so."""
+    starred = [(p, re.compile(re.escape(p).replace(r"\*", r"(\d+)") + "$")) for p in patterns if "*" in p]
+    if not starred:
+        return None
+    slots: dict[str, list[tuple[int, torch.Tensor]]] = {p: [] for p, _ in starred}
+    for key, value in out.items():
+        hit = next(((p, m) for p, rx in starred if (m := rx.match(key))), None)
+        if hit is None or isinstance(value, (list, tuple)):
+            return None
+        slots[hit[0]].append((int(hit[1].group(1)), value))
+    return [[t for _, t in sorted(items, key=lambda x: x[0])] for items in slots.values() if items]
 
 
 class TransformersOperation(ConversionOperation):
