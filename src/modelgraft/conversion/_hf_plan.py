@@ -101,16 +101,48 @@ def _targets_of(conv: WeightConverter, found: tuple, keys: Sequence[str]) -> lis
     return [t.expand(captured, keys, prefix, suffix) for t in conv._targets]
 
 
+def _base_adjust(key: str, base: str | None, model_keys: set[str]) -> str:
+    """As transformers does after renaming: add or strip ``base`` where that names a model key."""
+    if not base or key in model_keys:
+        return key
+    dotted = base + "."
+    if key.startswith(dotted) and key[len(dotted) :] in model_keys:
+        return key[len(dotted) :]
+    if dotted + key in model_keys:
+        return dotted + key
+    return key
+
+
+def _shift(found: tuple, renamed: str, adjusted: str, base: str | None) -> tuple | None:
+    """``found`` with its prefix moved by the base-prefix adjustment of ``renamed`` to ``adjusted``."""
+    if adjusted == renamed:
+        return found
+    name, i, index, prefix, suffix, captured = found
+    dotted = f"{base}."
+    if adjusted == dotted + renamed:
+        return adjusted, i, index, dotted + prefix, suffix, captured
+    if prefix.startswith(dotted):
+        return adjusted, i, index, prefix[len(dotted) :], suffix, captured
+    return None
+
+
 def plan_hf_groups(
     converters: Sequence[WeightConverter],
     target_keys: Iterable[str],
     source_shapes: Mapping[str, torch.Size],
     strict_sources: bool = True,
+    base_model_prefix: str | None = None,
 ) -> Plan:
-    """Plan the groups of an entry with transformers' semantics (see the module docstring)."""
+    """Plan the groups of an entry with transformers' semantics (see the module docstring).
+
+    With ``base_model_prefix``, ``source_shapes`` holds checkpoint keys as they are (not yet moved
+    into the model's key space) and, as in transformers, a renamed key gains or loses that prefix
+    where this names one of ``target_keys``.
+    """
     plan = Plan()
     targets = list(target_keys)
     wanted = set(targets)
+    model_keys = set(targets)
     renamings = [c for c in converters if not c.operations]
     convs = [c for c in converters if c.operations]
     # (converter position, renamed key) -> [(source pattern, index, checkpoint key)]
@@ -123,6 +155,12 @@ def plan_hf_groups(
     # As in transformers, every checkpoint key is renamed, also one that names a model key itself.
     for key in keys:
         renamed, conv, found, fired = rename_key(key, renamings, convs)
+        adjusted = _base_adjust(renamed, base_model_prefix, model_keys)
+        if conv is not None:
+            found = _shift(found, renamed, adjusted, base_model_prefix)
+            if found is None:
+                continue
+        renamed = adjusted
         if conv is None:
             if fired and renamed != key and renamed in wanted:
                 plan.groups.append(
