@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests._versions import IS_V5
-from tests.families import FAMILIES, family
 
 import modelgraft as mg
+from _versions import IS_V5
+from families import FAMILIES, family
 
 pytestmark = pytest.mark.skipif(
     not IS_V5, reason="transformers 4.57 has no conversion_mapping table (transformers 5.x only)"

@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import save_file
-from tests._versions import IS_V5
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 import modelgraft as mg
+from _versions import IS_V5
 from modelgraft import (
     Chunk,
     Concatenate,
