@@ -240,11 +240,15 @@ def _op_input_shapes(group: Group, target_shapes: ShapeGroups) -> list[ShapeGrou
 def run_reverse(group: Group, tensors: TensorGroups) -> TensorGroups:
     """Undo the group's operations (grafted layout back to the checkpoint layout), exactly."""
     ops = group.converter.operations
+    from modelgraft.conversion._hf_ops import TransformersOperation
+
     for op in ops:
         if not op.is_reversible:
+            wrapped = isinstance(op, TransformersOperation)
+            shown, method = (type(op.op).__name__, "reverse_op") if wrapped else (type(op).__name__, "reverse")
             raise IrreversibleConversionError(
                 f"Converter {group.converter!r} cannot write the original layout of `{group.flat_targets[0]}`: "
-                f"operation `{type(op).__name__}` has no `reverse`. Implement `reverse(tensors, context)` on it, "
+                f"operation `{shown}` has no `{method}`. Implement `{method}` on it, "
                 "or save the grafted layout with `model.save_pretrained(path, save_original_format=False)`."
             )
     target_shapes = [[t.shape for t in g] for g in tensors]
