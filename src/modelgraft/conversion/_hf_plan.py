@@ -117,7 +117,7 @@ def _shift(found: tuple, renamed: str, adjusted: str, base: str | None) -> tuple
     """``found`` with its prefix moved by the base-prefix adjustment of ``renamed`` to ``adjusted``."""
     if adjusted == renamed:
         return found
-    name, i, index, prefix, suffix, captured = found
+    _name, i, index, prefix, suffix, captured = found
     dotted = f"{base}."
     if adjusted == dotted + renamed:
         return adjusted, i, index, dotted + prefix, suffix, captured

@@ -245,7 +245,9 @@ def run_reverse(group: Group, tensors: TensorGroups) -> TensorGroups:
     for op in ops:
         if not op.is_reversible:
             wrapped = isinstance(op, TransformersOperation)
-            shown, method = (type(op.op).__name__, "reverse_op") if wrapped else (type(op).__name__, "reverse")
+            shown, method = (
+                (type(op.op).__name__, "reverse_op") if wrapped else (type(op).__name__, "reverse")
+            )
             raise IrreversibleConversionError(
                 f"Converter {group.converter!r} cannot write the original layout of `{group.flat_targets[0]}`: "
                 f"operation `{shown}` has no `{method}`. Implement `{method}` on it, "
