@@ -572,6 +572,8 @@ def test_qkv_chunk_rope_permute_vision_config(tmp_path):
     fused, info = load(tmp_path, RopeModel, unfused, [fuse], fused_qkv=True)
     assert_clean(info)
     assert torch.equal(fused.state_dict()["layers.0.self_attn.qkv_proj.weight"], qkv)
+    back = revert_weight_conversion(fused, fused.state_dict())
+    assert_same(back, {k.removeprefix("model."): v for k, v in unfused.items()})
 
 
 def test_permute_for_rope_round_trip():

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from modelgraft.conversion._hf_patterns import HFTargetPattern
 from modelgraft.conversion._plan import Group, Plan
 from modelgraft.conversion.rules import WeightConverter, _Pattern
 from modelgraft.errors import MissingSourceKeyError
@@ -96,8 +97,8 @@ def _guard_seen(renaming: WeightConverter, keys: Sequence[str]) -> bool:
 
 def _targets_of(conv: WeightConverter, found: tuple, keys: Sequence[str]) -> list[list[str]]:
     _name, _i, _index, prefix, suffix, captured = found
-    if not conv._hf:
-        return [[prefix + t.text + suffix] for t in conv._targets]
+    if not conv._hf:  # a segment-pattern converter in an entry with transformers' semantics
+        return [HFTargetPattern(t.text).expand(None, keys, prefix, suffix) for t in conv._targets]
     return [t.expand(captured, keys, prefix, suffix) for t in conv._targets]
 
 
