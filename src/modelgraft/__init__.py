@@ -28,6 +28,7 @@ from modelgraft.conversion import (
 )
 from modelgraft.conversion.builtin_ops import (
     Conv3dToLinear,
+    ConversionOps,
     ErnieFuseAndSplitTextVisionExperts,
     LinearToConv3d,
     PermuteForRope,
@@ -70,6 +71,7 @@ __all__ = [
     "ConversionContext",
     "ConversionError",
     "ConversionOperation",
+    "ConversionOps",
     "ConversionShapeError",
     "ErnieFuseAndSplitTextVisionExperts",
     "GraftError",

@@ -14,8 +14,8 @@ import modelgraft as mg
 from modelgraft import MergeModulelist, WeightConverter, WeightRenaming
 
 
-class Scale:
-    """A user operation written for transformers: dict in, dict out, with `reverse_op`."""
+class Scale(mg.ConversionOps):
+    """A user operation written for transformers (its `ConversionOps` base, now from modelgraft)."""
 
     def __init__(self, factor: float) -> None:
         self.factor = factor

@@ -33,6 +33,7 @@ from modelgraft.errors import ConversionError
 
 __all__ = [
     "Conv3dToLinear",
+    "ConversionOps",
     "ErnieFuseAndSplitTextVisionExperts",
     "ErnieSplitAndDecoupleTextVisionExperts",
     "LinearToConv3d",
@@ -59,7 +60,39 @@ def _output_key(key: str, sources: Sequence[str] | None, targets: Sequence[str] 
     return key
 
 
-class _Op:
+class ConversionOps:
+    """Base class for operations written in transformers' protocol (the name transformers uses).
+
+    Subclass it and implement ``convert(input_dict, source_patterns, target_patterns, **kwargs)``
+    returning a dict, and ``reverse_op`` (a property returning the operation that undoes it) so
+    the original layout can be saved. modelgraft's own base class with tensor groups is
+    :class:`~modelgraft.ConversionOperation`; both run in a :class:`~modelgraft.WeightConverter`.
+
+    Example:
+        >>> class Negate(ConversionOps):
+        ...     def convert(self, input_dict, source_patterns=None, target_patterns=None, **kwargs):
+        ...         return {k: [-t for t in v] for k, v in input_dict.items()}
+        ...
+        ...     @property
+        ...     def reverse_op(self):
+        ...         return Negate()
+        >>> Negate().convert({"w": [torch.ones(1)]})["w"][0].item()
+        -1.0
+    """
+
+    def convert(
+        self, input_dict: TensorDict, source_patterns=None, target_patterns=None, **kwargs
+    ) -> TensorDict:
+        raise NotImplementedError(
+            f"`{type(self).__name__}` must implement `convert(input_dict, source_patterns, ...)`."
+        )
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        raise NotImplementedError(f"`{type(self).__name__}` has no `reverse_op`.")
+
+
+class _Op(ConversionOps):
     """Common parts: a readable repr and value equality (so converters compare by what they do)."""
 
     def _fields(self) -> dict[str, Any]:
