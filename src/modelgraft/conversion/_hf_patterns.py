@@ -146,7 +146,7 @@ class HFPattern:
         return Match(m.start(), m.end(), m.group(0), index, captured)
 
     def match(self, key: str):  # -> PatternMatch | None (modelgraft.conversion.rules)
-        from modelgraft.conversion.rules import PatternMatch
+        from modelgraft.conversion.keys import PatternMatch
 
         m = self.search(key)
         return None if m is None else PatternMatch(key[: m.start], key[m.end :], m.index)

@@ -23,9 +23,10 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from modelgraft.conversion._groups import Group, Plan
 from modelgraft.conversion._hf_patterns import HFTargetPattern
-from modelgraft.conversion._plan import Group, Plan
-from modelgraft.conversion.rules import WeightConverter, _Pattern
+from modelgraft.conversion.keys import Pattern as _Pattern
+from modelgraft.conversion.rules import WeightConverter
 from modelgraft.errors import MissingSourceKeyError
 
 __all__ = ["natural_key", "plan_hf_groups", "rename_key"]

@@ -17,55 +17,16 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
+from modelgraft.conversion._groups import Group, Plan
+from modelgraft.conversion.keys import bucket_keys
 from modelgraft.conversion.ops import ConversionContext, ShapeGroups, TensorGroups
 from modelgraft.conversion.rules import WeightConverter
 from modelgraft.errors import ConversionShapeError, IrreversibleConversionError, MissingSourceKeyError
 
 __all__ = ["Group", "Plan", "plan_groups", "run_convert", "run_reverse"]
-
-
-@dataclass(frozen=True)
-class Group:
-    """One converter application: source keys per source pattern, target keys per target pattern."""
-
-    converter: WeightConverter
-    sources: tuple[tuple[str, ...], ...]
-    targets: tuple[tuple[str, ...], ...]
-    source_shapes: ShapeGroups = field(default_factory=list, compare=False)
-
-    @property
-    def flat_sources(self) -> list[str]:
-        return [k for keys in self.sources for k in keys]
-
-    @property
-    def flat_targets(self) -> list[str]:
-        return [k for keys in self.targets for k in keys]
-
-
-@dataclass
-class Plan:
-    """Groups that can run, and target keys whose sources are entirely absent."""
-
-    groups: list[Group] = field(default_factory=list)
-    unsourced_targets: list[tuple[WeightConverter, str]] = field(default_factory=list)
-
-
-def _bucket(patterns, keys: Iterable[str]) -> dict[tuple[str, str], list[dict[int | None, str]]]:
-    """``(prefix, suffix) -> [per pattern: {index: key}]`` for every key a pattern matches."""
-    buckets: dict[tuple[str, str], list[dict[int | None, str]]] = {}
-    for key in keys:
-        for i, pattern in enumerate(patterns):
-            m = pattern.match(key)
-            if m is None:
-                continue
-            slots = buckets.setdefault((m.prefix, m.suffix), [{} for _ in patterns])
-            slots[i][m.index] = key
-            break  # a key belongs to the first pattern that matches it
-    return buckets
 
 
 def _ordered(slot: dict[int | None, str]) -> tuple[str, ...]:
@@ -98,10 +59,10 @@ def plan_groups(
     target_keys = list(target_keys)
     taken: set[str] = set()
     for conv in converters:
-        tgt_buckets = _bucket(conv._targets, (k for k in target_keys if k not in taken))
+        tgt_buckets = bucket_keys(conv._targets, (k for k in target_keys if k not in taken))
         if not tgt_buckets:
             continue
-        src_buckets = _bucket(conv._sources, source_shapes)
+        src_buckets = bucket_keys(conv._sources, source_shapes)
         for (prefix, suffix), tslots in tgt_buckets.items():
             if not all(tslots):
                 continue  # not every target pattern exists here: not this converter's layout
