@@ -469,7 +469,7 @@ def _duplicate_patch(key: str, existing: type) -> PatchRegistrationError:
 
 def _unknown_patch(missing: list[str], registered: list[str]) -> PatchRegistrationError:
     return PatchRegistrationError(
-        f"Cannot unregister `{missing[0]}`: the key is not registered (not found in the patch mapping). "
+        f"Cannot unregister `{missing[0]}`: the key is not registered (not found in monkey patch mapping cache). "
         f"Registered keys: {registered}. Use the exact string given at registration."
     )
 
