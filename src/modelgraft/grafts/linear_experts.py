@@ -37,6 +37,7 @@ from modelgraft.grafts._bundle import (
     find_modules,
     original_class,
 )
+from modelgraft.grafts import _peft
 from modelgraft.grafts._pickling import RECIPE_ATTR, GraftedClass
 
 __all__ = ["LINEAR_EXPERTS_FAMILIES", "LinearExpert", "linear_experts", "linear_experts_class"]
@@ -151,6 +152,7 @@ class _LinearExpertsBase(nn.ModuleList):
         self._setup(probe)
 
     def _setup(self, probe: nn.Module) -> None:
+        _peft.ensure_installed()  # PEFT must keep the expert names as module targets here
         num, two_inter, hidden = probe.gate_up_proj.shape
         self.num_experts = num
         self.hidden_dim = hidden
