@@ -186,8 +186,10 @@ def grouped_linear_forward(
     down = torch.stack([d.weight for _, _, d in layers])
     try:
         projected = grouped_mm(tokens, gate_up.transpose(-2, -1), offs=offsets)
+        gate, up = projected.chunk(2, dim=-1)
+        sorted_out = grouped_mm(act_fn(gate) * up, down.transpose(-2, -1), offs=offsets)
     except (RuntimeError, NotImplementedError):
-        return None  # no kernel for this device or dtype: nothing was changed
-    gate, up = projected.chunk(2, dim=-1)
-    sorted_out = grouped_mm(act_fn(gate) * up, down.transpose(-2, -1), offs=offsets)
+        # No kernel for this device, dtype or alignment (CPU needs 16-byte strides): nothing was
+        # changed, and the caller runs the sorted loop.
+        return None
     return _combine(sorted_out, perm, top_k_weights, hidden_states)
