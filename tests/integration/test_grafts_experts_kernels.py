@@ -50,7 +50,9 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     for name in PATHS:
         original = getattr(_grouped_experts, name)
 
-        def counting(*args: object, _original: Callable = original, _name: str = name, **kwargs: object) -> object:
+        def counting(
+            *args: object, _original: Callable = original, _name: str = name, **kwargs: object
+        ) -> object:
             counted[_name] = counted.get(_name, 0) + 1
             return _original(*args, **kwargs)
 
@@ -65,7 +67,9 @@ def _load(path: Path, model_type: str | None = None, **kwargs: object) -> torch.
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
 
 
-def _loss_and_grads(model: torch.nn.Module, model_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _loss_and_grads(
+    model: torch.nn.Module, model_type: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     model.train()
     inputs = family(model_type).inputs(model.config)
     out = model(**inputs, labels=inputs["input_ids"])
@@ -115,16 +119,22 @@ def test_set_experts_implementation_after_the_load_is_honoured(checkpoint, calls
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
 def test_batched_mm_is_refused_at_load_time_and_when_set_later(model_type: str, checkpoint) -> None:
     source = checkpoint(model_type)
-    with pytest.raises(ExpertsImplementationError, match=r"cannot run `experts_implementation='batched_mm'`.*grouped_mm"):
+    with pytest.raises(
+        ExpertsImplementationError, match=r"cannot run `experts_implementation='batched_mm'`.*grouped_mm"
+    ):
         _load(source, model_type, experts_implementation="batched_mm")
     grafted = _load(source, model_type).eval()
     grafted.set_experts_implementation("batched_mm")
-    with pytest.raises(ExpertsImplementationError, match=r"`Linear\w+Experts` cannot run `experts_implementation="):
+    with pytest.raises(
+        ExpertsImplementationError, match=r"`Linear\w+Experts` cannot run `experts_implementation="
+    ):
         grafted(**family(model_type).inputs(grafted.config))
     assert isinstance(ExpertsImplementationError("x"), ValueError)
 
 
-def test_a_hooked_expert_layer_takes_the_sorted_loop_and_sees_its_tokens(checkpoint, calls: dict[str, int]) -> None:
+def test_a_hooked_expert_layer_takes_the_sorted_loop_and_sees_its_tokens(
+    checkpoint, calls: dict[str, int]
+) -> None:
     source = checkpoint("qwen3_moe")
     plain = _load(source).eval()
     grafted = _load(source, "qwen3_moe").eval()
@@ -137,7 +147,9 @@ def test_a_hooked_expert_layer_takes_the_sorted_loop_and_sees_its_tokens(checkpo
         _same(grafted(**inputs).logits, plain(**inputs).logits)
     handle.remove()
     layers = grafted.config.num_hidden_layers
-    assert calls == {"sorted_forward": 1, "grouped_linear_forward": layers - 1}, calls  # only layer 0 is hooked
+    assert calls == {"sorted_forward": 1, "grouped_linear_forward": layers - 1}, (
+        calls
+    )  # only layer 0 is hooked
     assert seen and all(n > 0 for n in seen)
 
 
@@ -146,7 +158,11 @@ def test_a_hooked_expert_layer_takes_the_sorted_loop_and_sees_its_tokens(checkpo
 def test_sorted_and_grouped_paths_skip_out_of_range_ids_as_eager_does(sentinel: int, inter: int) -> None:
     torch.manual_seed(0)
     experts = [
-        (torch.nn.Linear(8, inter, bias=False), torch.nn.Linear(8, inter, bias=False), torch.nn.Linear(inter, 8, bias=False))
+        (
+            torch.nn.Linear(8, inter, bias=False),
+            torch.nn.Linear(8, inter, bias=False),
+            torch.nn.Linear(inter, 8, bias=False),
+        )
         for _ in range(4)
     ]
 

@@ -30,7 +30,10 @@ ATOL = 1e-5
 FUSED = {
     "fused_qkv": (fused_qkv, ["q_proj", "v_proj"]),
     "fused_gate_up": (fused_gate_up, ["gate_proj", "up_proj"]),
-    "both": (lambda t: fused_qkv(t) + fused_gate_up(t), ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]),
+    "both": (
+        lambda t: fused_qkv(t) + fused_gate_up(t),
+        ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"],
+    ),
 }
 FUSED_FAMILIES = ("llama", "qwen2")  # qwen2: q/k/v biases
 
@@ -96,7 +99,9 @@ def test_adapter_saved_from_the_plain_model_loads_on_the_grafted_one_with_equal_
     _randomize_lora(plain)
     plain.save_pretrained(tmp_path)
     expected = _logits(plain, model_type)
-    assert not torch.allclose(expected, _logits(_load(path), model_type), atol=1e-3), "the adapter changes nothing"
+    assert not torch.allclose(expected, _logits(_load(path), model_type), atol=1e-3), (
+        "the adapter changes nothing"
+    )
 
     grafted = PeftModel.from_pretrained(_load(path, make_graft(model_type)), tmp_path).eval()
     assert any("qkv_proj" in n or "gate_up_proj" in n for n, _ in grafted.named_parameters())
@@ -152,7 +157,9 @@ def test_all_linear_targets_the_plain_models_layers(model_type: str, checkpoint,
     graft = fused_qkv(model_type) + fused_gate_up(model_type)
     grafted = get_peft_model(_load(path, graft), _lora("all-linear"))
     plain = get_peft_model(_load(path), _lora("all-linear"))
-    assert sorted(grafted.peft_config["default"].target_modules) == sorted(plain.peft_config["default"].target_modules)
+    assert sorted(grafted.peft_config["default"].target_modules) == sorted(
+        plain.peft_config["default"].target_modules
+    )
     lora = sorted(n for n, _ in grafted.named_parameters() if "lora_" in n)
     assert lora == sorted(n for n, _ in plain.named_parameters() if "lora_" in n)
     grafted.save_pretrained(tmp_path)
@@ -180,7 +187,10 @@ def test_merge_and_unload_writes_into_the_fused_layer_and_saves_the_plain_merged
     plain_merged = plain.merge_and_unload()
     merged.save_pretrained(tmp_path / "grafted")
     plain_merged.save_pretrained(tmp_path / "plain")
-    saved, reference = load_file(tmp_path / "grafted/model.safetensors"), load_file(tmp_path / "plain/model.safetensors")
+    saved, reference = (
+        load_file(tmp_path / "grafted/model.safetensors"),
+        load_file(tmp_path / "plain/model.safetensors"),
+    )
     assert sorted(saved) == sorted(reference)
     for key, tensor in reference.items():
         torch.testing.assert_close(saved[key], tensor, atol=1e-6, rtol=0, msg=key)
@@ -190,14 +200,18 @@ def test_merge_and_unload_writes_into_the_fused_layer_and_saves_the_plain_merged
 def test_an_adapter_on_the_fused_layer_itself_is_refused(checkpoint) -> None:
     path = checkpoint("llama")
     model = get_peft_model(_load(path, fused_qkv("llama")), _lora(["qkv_proj"]))
-    with pytest.raises(FusionError, match=r"`FusedQKVLlamaAttention.qkv_proj` is wrapped by the PEFT module .*q_proj"):
+    with pytest.raises(
+        FusionError, match=r"`FusedQKVLlamaAttention.qkv_proj` is wrapped by the PEFT module .*q_proj"
+    ):
         _logits(model, "llama")
 
 
 def test_modules_to_save_on_a_fused_part_is_refused(checkpoint) -> None:
     path = checkpoint("llama")
     config = LoraConfig(r=4, target_modules=["o_proj"], modules_to_save=["q_proj"])
-    with pytest.raises(FusionError, match=r"`FusedQKVLlamaAttention.q_proj` is a slice of the fused `qkv_proj`"):
+    with pytest.raises(
+        FusionError, match=r"`FusedQKVLlamaAttention.q_proj` is a slice of the fused `qkv_proj`"
+    ):
         get_peft_model(_load(path, fused_qkv("llama")), config)
 
 
@@ -206,16 +220,26 @@ EXPERT_FAMILIES = ("qwen3_moe", "mixtral")
 
 @requires_fused_experts
 @pytest.mark.parametrize("model_type", EXPERT_FAMILIES)
-def test_lora_on_linear_experts_wraps_each_expert_merges_and_saves(model_type: str, checkpoint, tmp_path: Path) -> None:
+def test_lora_on_linear_experts_wraps_each_expert_merges_and_saves(
+    model_type: str, checkpoint, tmp_path: Path
+) -> None:
     path = checkpoint(model_type)
     graft = linear_experts(model_type)
-    names = list(graft.mapping.values())[0]._expert_names
+    names = next(iter(graft.mapping.values()))._expert_names
     base = _load(path, graft)
     before = _logits(base, model_type)
     model = get_peft_model(base, _lora(list(names)))
-    wrapped = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n.endswith(tuple(f".experts.0.{x}" for x in names))}
+    wrapped = {
+        n.rsplit(".", 1)[-1]
+        for n, m in model.named_modules()
+        if n.endswith(tuple(f".experts.0.{x}" for x in names))
+    }
     assert wrapped == set(names)
-    assert all(type(m).__module__.startswith("peft.") for n, m in model.named_modules() if n.endswith(tuple(f".experts.0.{x}" for x in names)))
+    assert all(
+        type(m).__module__.startswith("peft.")
+        for n, m in model.named_modules()
+        if n.endswith(tuple(f".experts.0.{x}" for x in names))
+    )
     _randomize_lora(model)
     adapted = _logits(model, model_type)
     assert torch.isfinite(adapted).all() and not torch.allclose(adapted, before, atol=1e-3)

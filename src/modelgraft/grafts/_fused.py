@@ -370,7 +370,7 @@ class FusedSlice(nn.Linear):
                 f"`{type(self._group.owner).__name__}.{name}` is a slice of the fused "
                 f"`{self._group.fused_name}` and cannot be copied on its own (PEFT's `modules_to_save` "
                 f"copies the layers it trains): a copy would no longer read the model's "
-                f"`{self._group.fused_name}`. Train it with an adapter (`target_modules=[\"{name}\"]`), "
+                f'`{self._group.fused_name}`. Train it with an adapter (`target_modules=["{name}"]`), '
                 "or load the model without the graft."
             )
         new = type(self).__new__(type(self))

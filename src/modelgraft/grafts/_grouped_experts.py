@@ -80,7 +80,7 @@ def check_implementation(module: nn.Module) -> str:
             f"per-expert `nn.Linear` layers, and `{requested}` computes with fused 3D expert weights that they no "
             "longer have. Expected one of "
             f"{', '.join(repr(i) for i in EXPERTS_IMPLEMENTATIONS)}: load with "
-            "`experts_implementation=\"grouped_mm\"` (or call `model.set_experts_implementation(\"grouped_mm\")`), "
+            '`experts_implementation="grouped_mm"` (or call `model.set_experts_implementation("grouped_mm")`), '
             "or load the model without the `linear_experts` graft."
         )
     return str(requested)

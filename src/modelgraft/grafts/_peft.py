@@ -107,7 +107,9 @@ def _moe_config(original: Callable[..., Any], module: ModuleType) -> Callable[..
             probe = copy.deepcopy(peft_config)
             original(probe, model)
             before = set(peft_config.target_parameters or ())
-            added = set(probe.target_parameters or ()) - before - _fused_expert_parameters(module, model, names)
+            added = (
+                set(probe.target_parameters or ()) - before - _fused_expert_parameters(module, model, names)
+            )
             if added:
                 peft_config.target_parameters = before | added
             return None
@@ -123,7 +125,9 @@ def _moe_config(original: Callable[..., Any], module: ModuleType) -> Callable[..
 
 def _fused_expert_parameters(module: ModuleType, model: nn.Module, names: set[str]) -> set[str]:
     """What PEFT's rewrite maps the expert layer names to (``gate_up_proj``, ``down_proj``)."""
-    pattern = getattr(module, "_MODEL_TO_CONVERSION_PATTERN", {}).get(getattr(model.config, "model_type", None))
+    pattern = getattr(module, "_MODEL_TO_CONVERSION_PATTERN", {}).get(
+        getattr(model.config, "model_type", None)
+    )
     mapping = getattr(module, "_MOE_TARGET_MODULE_MAPPING", {}).get(pattern, {})
     return {target for name, target in mapping.items() if name in names}
 

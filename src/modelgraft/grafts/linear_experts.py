@@ -30,6 +30,8 @@ from torch.nn.modules import module as _torch_module
 
 from modelgraft import _compat
 from modelgraft._forksafe import ForkSafeLock
+from modelgraft.grafts import _grouped_experts as _grouped
+from modelgraft.grafts import _peft
 from modelgraft.grafts._bundle import (
     Graft,
     UnsupportedFamilyError,
@@ -38,8 +40,6 @@ from modelgraft.grafts._bundle import (
     find_modules,
     original_class,
 )
-from modelgraft.grafts import _grouped_experts as _grouped
-from modelgraft.grafts import _peft
 from modelgraft.grafts._grouped_experts import ExpertsImplementationError
 from modelgraft.grafts._pickling import RECIPE_ATTR, GraftedClass
 
@@ -207,10 +207,14 @@ class _LinearExpertsBase(nn.ModuleList):
         """
         implementation = _grouped.check_implementation(self)
         if implementation == "eager":
-            return _grouped.eager_forward(self._run, self.num_experts, hidden_states, top_k_index, top_k_weights)
+            return _grouped.eager_forward(
+                self._run, self.num_experts, hidden_states, top_k_index, top_k_weights
+            )
         layers = self._plain_layers()
         if layers is not None:
-            out = _grouped.grouped_linear_forward(layers, self[0].act_fn, hidden_states, top_k_index, top_k_weights)
+            out = _grouped.grouped_linear_forward(
+                layers, self[0].act_fn, hidden_states, top_k_index, top_k_weights
+            )
             if out is not None:
                 return out
         return _grouped.sorted_forward(self._run, self.num_experts, hidden_states, top_k_index, top_k_weights)
@@ -232,7 +236,9 @@ class _LinearExpertsBase(nn.ModuleList):
             if type(expert) is not LinearExpert or expert.act_fn is not act_fn or _hooked(expert):
                 return None
             found = tuple(expert._modules.get(name) for name in self._expert_names)
-            if any(type(layer) is not nn.Linear or layer.bias is not None or _hooked(layer) for layer in found):
+            if any(
+                type(layer) is not nn.Linear or layer.bias is not None or _hooked(layer) for layer in found
+            ):
                 return None
             layers.append(found)
         return layers  # type: ignore[return-value]
