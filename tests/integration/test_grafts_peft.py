@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from _versions import TRANSFORMERS_VERSION, requires_fused_experts
 from families import family
 from modelgraft.grafts import FusionError, Graft, fused_gate_up, fused_qkv, linear_experts
+from modelgraft.grafts.linear_experts import ExpertsAdapterError
 
 peft = pytest.importorskip("peft", reason=f"peft is not installed (transformers {TRANSFORMERS_VERSION})")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
@@ -252,3 +253,21 @@ def test_lora_on_linear_experts_wraps_each_expert_merges_and_saves(
     _same(_logits(merged, model_type), adapted)
     merged.save_pretrained(tmp_path / "merged")
     _same(_logits(_load(tmp_path / "merged"), model_type), adapted)
+
+
+@requires_fused_experts
+def test_an_adapter_of_the_plain_fused_experts_is_refused_on_linear_experts(
+    checkpoint, tmp_path: Path
+) -> None:
+    path = checkpoint("qwen3_moe")
+    config = _lora(["gate_proj", "up_proj", "down_proj"])
+    get_peft_model(_load(path), config).save_pretrained(tmp_path)  # PEFT targets the 3D parameters here
+    grafted = _load(path, linear_experts("qwen3_moe"))
+    before = _logits(grafted, "qwen3_moe")
+    with pytest.raises(
+        ExpertsAdapterError, match=r"targets the parameters .*gate_up_proj.*`linear_experts` graft"
+    ):
+        PeftModel.from_pretrained(grafted, tmp_path)
+    assert not any(type(m).__module__.startswith("peft.") for m in grafted.modules())  # left as it was
+    _same(_logits(grafted, "qwen3_moe"), before)
+    assert isinstance(ExpertsAdapterError("x"), ValueError)

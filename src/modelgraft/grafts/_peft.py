@@ -39,8 +39,14 @@ from typing import Any
 from torch import nn
 
 from modelgraft._forksafe import ForkSafeLock
+from modelgraft.errors import UnsupportedFamilyError
 
-__all__ = ["ensure_installed", "installed", "uninstall"]
+__all__ = ["ExpertsAdapterError", "ensure_installed", "installed", "uninstall"]
+
+
+class ExpertsAdapterError(UnsupportedFamilyError):
+    """A PEFT adapter of fused 3D experts met a model whose experts ``linear_experts`` split."""
+
 
 _WRAPPED = "__modelgraft_wrapped__"
 _LOCK = ForkSafeLock()
@@ -100,6 +106,7 @@ def _moe_config(original: Callable[..., Any], module: ModuleType) -> Callable[..
         names = _grafted_expert_names(model)
         if not names:
             return original(peft_config, model)
+        _refuse_missing_parameters(peft_config, model, names)
         targets = peft_config.target_modules
         if isinstance(targets, str):
             # A regex or "all-linear" matches the per-expert layers as modules; of the rewrite keep
@@ -121,6 +128,28 @@ def _moe_config(original: Callable[..., Any], module: ModuleType) -> Callable[..
             peft_config.target_modules = set(peft_config.target_modules or ()) | protected
 
     return _convert_peft_config_moe
+
+
+def _refuse_missing_parameters(peft_config: Any, model: nn.Module, names: set[str]) -> None:
+    """Refuse ``target_parameters`` the grafted model lacks: an adapter of the fused 3D experts.
+
+    PEFT would otherwise stop with "no target modules" or, with other targets beside, load the
+    adapter without its expert part.
+    """
+    targets = peft_config.target_parameters or ()
+    if isinstance(targets, str):
+        targets = (targets,)
+    parameters = [name for name, _ in model.named_parameters()]
+    missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in parameters)]
+    if missing:
+        layers = "/".join(sorted(names))
+        raise ExpertsAdapterError(
+            f"The adapter targets the parameters {missing}, which the model does not have: they are the fused "
+            f"3D experts of transformers 5, and the `linear_experts` graft replaced them by per-expert "
+            f"`nn.Linear` layers (`experts.<i>.{layers}`). An adapter of the fused experts cannot be "
+            "split per expert exactly here. Load it on the model without the graft, or train the adapter on "
+            f"the grafted model with `target_modules={sorted(names)}`."
+        )
 
 
 def _fused_expert_parameters(module: ModuleType, model: nn.Module, names: set[str]) -> set[str]:

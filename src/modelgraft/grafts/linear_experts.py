@@ -41,10 +41,12 @@ from modelgraft.grafts._bundle import (
     original_class,
 )
 from modelgraft.grafts._grouped_experts import ExpertsImplementationError
+from modelgraft.grafts._peft import ExpertsAdapterError
 from modelgraft.grafts._pickling import RECIPE_ATTR, GraftedClass
 
 __all__ = [
     "LINEAR_EXPERTS_FAMILIES",
+    "ExpertsAdapterError",
     "ExpertsImplementationError",
     "LinearExpert",
     "linear_experts",
