@@ -128,9 +128,11 @@ def _combine(
     num_tokens, top_k = top_k_weights.shape
     rows = sorted_out.shape[0]  # the valid pairs; sentinel pairs (sorted last) produced nothing
     weights = top_k_weights.reshape(-1)[perm[:rows], None]
-    pairs = sorted_out.new_zeros(num_tokens * top_k, sorted_out.shape[-1])
+    # Weights in their own dtype (a float32 router with bf16 experts), promoted as in transformers.
+    weighted = sorted_out * weights
+    pairs = weighted.new_zeros(num_tokens * top_k, sorted_out.shape[-1])
     # Sentinel pairs stay zero.
-    pairs = pairs.index_copy(0, perm[:rows], sorted_out * weights)
+    pairs = pairs.index_copy(0, perm[:rows], weighted)
     # Summing over the top-k slots in order, as transformers' grouped kernel does.
     return pairs.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
