@@ -55,28 +55,34 @@ _state = {"installed": False}
 
 # ---- what a grafted model holds ------------------------------------------------------------------
 def _fused_layer_names(model: nn.Module) -> set[str]:
-    """Full names of the fused layers (``...self_attn.qkv_proj``) of fused stand-ins in ``model``."""
-    from modelgraft.grafts._fused import FusedSlice
+    """Full names of the fused layers (``...self_attn.qkv_proj``) of fused stand-ins in ``model``.
 
+    A stand-in (``modelgraft.grafts._fused.FusedSlice``) is recognised by its fusion group, not
+    by its class: that module imports this one, and the import graph stays acyclic.
+    """
     paths = {id(module): name for name, module in model.named_modules()}
     found: set[str] = set()
     for module in model.modules():
-        if isinstance(module, FusedSlice):
-            group = module._group
-            owner = paths.get(id(group.owner))
-            if owner is not None:
-                found.add(f"{owner}.{group.fused_name}" if owner else group.fused_name)
+        group = module.__dict__.get("_group")
+        fused_name = getattr(group, "fused_name", None)
+        owner = paths.get(id(getattr(group, "owner", None)))
+        if isinstance(fused_name, str) and owner is not None:
+            found.add(f"{owner}.{fused_name}" if owner else fused_name)
     return found
 
 
 def _grafted_expert_names(model: nn.Module) -> set[str]:
-    """Layer names of the per-expert layers of grafted experts in ``model`` (empty if none)."""
-    from modelgraft.grafts.linear_experts import _LinearExpertsBase
+    """Layer names of the per-expert layers of grafted experts in ``model`` (empty if none).
 
+    Grafted experts (``linear_experts``) are the ``ModuleList`` classes that name the original
+    experts class they replace and their layers' names.
+    """
     names: set[str] = set()
     for module in model.modules():
-        if isinstance(module, _LinearExpertsBase):
-            names.update(module._expert_names)
+        cls = type(module)
+        expert_names = getattr(cls, "_expert_names", None)
+        if isinstance(module, nn.ModuleList) and getattr(cls, "_modelgraft_original", None) and expert_names:
+            names.update(expert_names)
     return names
 
 
