@@ -61,10 +61,9 @@ from modelgraft._live_carry import (
     refuse_wrapped,
     same_dtype_and_device,
 )
-from modelgraft.conversion import rules
 from modelgraft.conversion._plan import Group, plan_groups, run_convert
 from modelgraft.conversion.save import remember_graft
-from modelgraft.conversion.scopes import resolve_scopes
+from modelgraft.conversion.scopes import Scope, resolve_scopes, scope_for
 from modelgraft.errors import ConversionError, GraftError, GraftStateError, ReplacementTypeError
 from modelgraft.graft import Graft, as_graft, scope
 from modelgraft.registry import Snapshot
@@ -395,10 +394,10 @@ def _as_is(model: torch.nn.Module, target: _Target, live: dict, wanted: dict) ->
 
 
 def _registered(model: torch.nn.Module, target: _Target, live: dict, wanted: dict) -> _Filled | None:
-    converters = _converters_for(model, target.path)
-    if not converters:
+    scope, converters = _converters_for(model, target.path)
+    if scope is None or not converters:
         return None
-    return _convert(target.path, converters, live, wanted)
+    return _convert(scope, target.path, converters, live, wanted)
 
 
 def _from_checkpoint_layout(
@@ -409,10 +408,10 @@ def _from_checkpoint_layout(
     if checkpoint is None or set(checkpoint) == set(live):
         return None
     origin = _checkpoint_origins(model, live, checkpoint)
-    converters = _converters_for(model, target.path)
-    if not converters:
+    scope, converters = _converters_for(model, target.path)
+    if scope is None or not converters:
         return _Filled(dict(checkpoint), origin)
-    filled = _convert(target.path, converters, checkpoint, wanted)
+    filled = _convert(scope, target.path, converters, checkpoint, wanted)
     filled.sources = {
         k: tuple(dict.fromkeys(o for s in srcs for o in origin[s])) for k, srcs in filled.sources.items()
     }
@@ -441,40 +440,33 @@ def _revert_builtin(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> d
     return _compat.revert_builtin_conversion(model, state)
 
 
-def _converters_for(model: torch.nn.Module, path: str) -> list[Any]:
-    """The conversion entry that loading would use for the (sub)model enclosing ``path``.
+def _converters_for(model: torch.nn.Module, path: str) -> tuple[Scope | None, list[Any]]:
+    """The scope and conversion entry that loading would use for the module at ``path``.
 
-    The enclosing sub-models of the same ``model_type`` (``LlamaModel`` inside ``LlamaForCausalLM``)
-    share one entry: a class-name entry of the outermost wins, then of the inner ones, then the
-    ``model_type`` entry.
+    The scopes come from :func:`~modelgraft.conversion.scopes.resolve_scopes`, as at load and
+    save time, so a graft in place converts with the entry (and the key locality) a load would.
     """
-    from transformers import PreTrainedModel
-
-    parts = path.split(".")
-    chain = [
-        m
-        for m in (_get(model, ".".join(parts[:i])) for i in range(len(parts)))
-        if isinstance(m, PreTrainedModel)
-    ]
-    if not chain:
-        return []
-    model_type = getattr(chain[-1].config, "model_type", None)
-    same = [m for m in chain if getattr(m.config, "model_type", None) == model_type]
-    for owner in same:
-        found = rules.lookup_conversions(type(owner).__name__, None)
-        if found:
-            return list(found[1])
-    found = rules.lookup_conversions("", model_type)
-    return list(found[1]) if found else []
+    scope = scope_for(resolve_scopes(model), path + ".")
+    return scope, (list(scope.converters) if scope is not None else [])
 
 
 def _convert(
-    path: str, converters: list[Any], source: dict[str, torch.Tensor], wanted: dict[str, torch.Size]
+    scope: Scope,
+    path: str,
+    converters: list[Any],
+    source: dict[str, torch.Tensor],
+    wanted: dict[str, torch.Size],
 ) -> _Filled:
-    plan = plan_groups(converters, wanted, {k: v.shape for k, v in source.items()}, strict_sources=False)
+    # Planned on keys local to the scope, as a load plans them; run and recorded on global keys.
+    plan = plan_groups(
+        converters,
+        {scope.local(k): v for k, v in wanted.items()},
+        {scope.local(k): v.shape for k, v in source.items()},
+        strict_sources=False,
+    )
     filled = _Filled({}, {})
     consumed: set[str] = set()
-    for group in plan.groups:
+    for group in map(scope.glob_group, plan.groups):
         # Tensors of several dtypes or devices cannot become one exactly: refuse before converting.
         local = {_local(path, k): source[k] for k in group.flat_sources}
         same_dtype_and_device(path, _local(path, group.flat_targets[0]), local)

@@ -56,15 +56,8 @@ def _plan_missing_groups(
         if shapes is None:
             shapes = original_shapes(model)
         src = {scope.local(k): s for k, s in shapes.items() if scope.owns(k)}
-        for g in plan_groups(scope.converters, local, src, strict_sources=False).groups:
-            groups.append(
-                Group(
-                    g.converter,
-                    tuple(tuple(scope.glob(k) for k in ks) for ks in g.sources),
-                    tuple(tuple(scope.glob(k) for k in ks) for ks in g.targets),
-                    g.source_shapes,
-                )
-            )
+        plan = plan_groups(scope.converters, local, src, strict_sources=False)
+        groups.extend(map(scope.glob_group, plan.groups))
     return groups
 
 

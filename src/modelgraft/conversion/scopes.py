@@ -48,6 +48,17 @@ class Scope:
     def glob(self, local: str) -> str:
         return f"{self.path}.{local}" if self.path else local
 
+    def glob_group(self, group: Group) -> Group:
+        """``group`` (planned on keys local to this scope) with global keys."""
+        if not self.path:
+            return group
+        return Group(
+            group.converter,
+            tuple(tuple(map(self.glob, keys)) for keys in group.sources),
+            tuple(tuple(map(self.glob, keys)) for keys in group.targets),
+            group.source_shapes,
+        )
+
 
 @dataclass
 class ConversionState:
