@@ -92,6 +92,39 @@ _FAMILY: dict[str, dict[str, Any]] = {
         "head_dim": 8,  # = qk_rope_head_dim: transformers 4.57 sizes the rotary embedding by head_dim
         "num_key_value_heads": 4,
     },
+    # DeepSeek-V3.2's sparse-attention indexer (multi-head latent attention sizes: `_MLA`).
+    "deepseek_v32": {
+        "index_head_dim": 16,
+        "index_n_heads": 2,
+        "index_topk": 4,
+    },
+    # Gemma 4: the MoE block is opt-in; the per-layer input embedding defaults to a 262k vocabulary.
+    "gemma4_text": {
+        "enable_moe_block": True,
+        "vocab_size_per_layer_input": 128,
+        "hidden_size_per_layer_input": 8,
+        "top_k_experts": 2,
+    },
+    # Inkling: its sliding-window heads have sizes of their own.
+    "inkling_text": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16},
+    # GLM-4.5V text: multimodal rotary sections must fill the 8 rotary dims of a 16-wide head.
+    "glm4v_moe_text": {
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 1, 1],
+        }
+    },
+    # Linear-attention hybrids: one layer of each kind (two linear layers leave no attention cache).
+    "qwen3_5_moe_text": {
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+    },
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
     # Jamba: one attention layer and one MoE layer among the two.
     "jamba": {
         "attn_layer_period": 2,
@@ -124,6 +157,17 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "t5": {"d_kv": 16},
     "llava": {"image_seq_length": 16},
     "modernbert": {"global_attn_every_n_layers": 2, "local_attention": 16},
+}
+
+# Multi-head latent attention (every config with a `qk_rope_head_dim`, unless `_FAMILY` says
+# otherwise): the defaults' rope/nope split (64/128) does not fit 16-wide tiny heads.
+_MLA: dict[str, Any] = {
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "num_key_value_heads": 4,
 }
 
 _SPECIAL_TOKEN_SUFFIXES = ("token_id", "token_index", "_token_ids")
@@ -165,6 +209,9 @@ def tiny_overrides(model_type: str) -> dict[str, Any]:
         target = _resolve(config_class, fields, name)
         if target is not None and target not in kwargs:
             kwargs[target] = value
+    if "qk_rope_head_dim" in fields:
+        for name, value in _MLA.items():
+            kwargs[_resolve(config_class, fields, name) or name] = value
     for name, value in _FAMILY.get(model_type, {}).items():
         target = _resolve(config_class, fields, name) or name
         kwargs[target] = value

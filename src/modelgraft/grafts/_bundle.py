@@ -116,7 +116,11 @@ class Graft:
             converters = list(dict.fromkeys(c for p in parts for c in p.converters))  # a graft added twice
             if converters or drop or not any(p.sub_model_converters for p in parts):
                 builtin = [c for c in _builtin_conversions(model_type) if not (drop and _merges_experts(c))]
-                out[model_type] = builtin + converters
+                # converters before renamings, so a key a graft converts is not renamed first
+                merged = builtin + converters
+                out[model_type] = [c for c in merged if not _is_renaming(c)] + [
+                    c for c in merged if _is_renaming(c)
+                ]
             for p in parts:
                 for sub_type, converter in p.sub_model_converters:
                     if sub_type not in out:
@@ -307,7 +311,7 @@ def _builtin_conversions(model_type: str) -> tuple[Any, ...]:
     for entry in entries:
         sources = [_plain(p, model_type) for p in entry.source_patterns]
         targets = [_plain(p, model_type) for p in entry.target_patterns]
-        if type(entry).__name__ == "WeightRenaming":
+        if type(entry).__name__ in ("WeightRenaming", "PrefixChange"):
             renamings.append((sources, targets))
             continue
         ops = []
@@ -347,14 +351,30 @@ def _contains(key: str, run: str) -> bool:
     return re.search(rf"(?:^|\.){re.escape(run)}(?:\.|$)", key) is not None
 
 
+# A regular expression that is only a dotted key (``block_sparse_moe\\.input_linear\\.weight``,
+# ``\\.experts\\.``) means the same as that key matched on segment boundaries, which is how
+# modelgraft matches; so does a prefix capture (``^model\\.language_model\\.(.+)`` -> ``model.\\1``).
+_ESCAPED_DOTTED = re.compile(r"^(?:\\\.)?([A-Za-z0-9_]+(?:\\\.[A-Za-z0-9_]+)*)(?:\\\.)?$")
+_PREFIX_CAPTURE = re.compile(r"^\^([A-Za-z0-9_]+(?:\\\.[A-Za-z0-9_]+)*)\\\.\(\.\+\)$")
+_PREFIX_TARGET = re.compile(r"^([A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*)\.\\1$")
+
+
 def _plain(pattern: str, model_type: str) -> str:
     text = pattern.strip(".")
-    if not _PLAIN_PATTERN.match(text):
-        raise UnsupportedFamilyError(
-            f"transformers' conversion for `{model_type}` uses the regular expression `{pattern}`; "
-            "grafts only carry over plain dotted patterns."
-        )
-    return text
+    if _PLAIN_PATTERN.match(text):
+        return text
+    for form in (_ESCAPED_DOTTED, _PREFIX_CAPTURE, _PREFIX_TARGET):
+        found = form.match(pattern)
+        if found:
+            return found.group(1).replace("\\.", ".")
+    raise UnsupportedFamilyError(
+        f"transformers' conversion for `{model_type}` uses the regular expression `{pattern}`; "
+        "grafts only carry over plain dotted patterns."
+    )
+
+
+def _is_renaming(converter: Any) -> bool:
+    return type(converter).__name__ == "WeightRenaming"
 
 
 def _merges_experts(converter: Any) -> bool:

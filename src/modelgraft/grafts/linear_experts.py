@@ -24,22 +24,27 @@ Example:
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 
 from modelgraft import _compat
 from modelgraft._forksafe import ForkSafeLock
+from modelgraft.errors import RoutingError
 from modelgraft.grafts._bundle import (
     Graft,
     UnsupportedFamilyError,
     _Part,
     builtin_expert_names,
     find_modules,
+    meta_model,
     original_class,
 )
+from modelgraft.grafts._expert_layouts import ExpertLayout, fused_checkpoint_converters, layout_of, split_fused
 from modelgraft.grafts._pickling import RECIPE_ATTR, GraftedClass
 
-__all__ = ["LINEAR_EXPERTS_FAMILIES", "LinearExpert", "linear_experts", "linear_experts_class"]
+__all__ = ["LINEAR_EXPERTS_FAMILIES", "FamilyGate", "LinearExpert", "linear_experts", "linear_experts_class"]
 
 DEFAULT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
@@ -64,33 +69,63 @@ LINEAR_EXPERTS_FAMILIES: tuple[str, ...] = (
 
 
 class LinearExpert(nn.Module):
-    """One expert: ``down(act(gate(x)) * up(x))`` with three bias-free ``nn.Linear`` layers.
+    """One expert: ``down(act(gate(x)) * up(x))`` with three ``nn.Linear`` layers.
 
     Args:
         hidden: model width.
         intermediate: expert width.
         act_fn: the activation module of the original experts.
         names: attribute names of the gate, up and down layers.
+        bias: whether the three layers have biases (GPT-OSS).
+        gate: the family's own gated activation (see :class:`FamilyGate`), used instead of
+            ``act_fn(gate) * up`` when the family overrides ``_apply_gate``.
     """
 
     def __init__(
         self,
         hidden: int,
         intermediate: int,
-        act_fn: nn.Module,
+        act_fn: nn.Module | None,
         names: tuple[str, str, str] = DEFAULT_NAMES,
+        bias: bool = False,
+        gate: FamilyGate | None = None,
     ) -> None:
         super().__init__()
-        gate, up, down = names
-        setattr(self, gate, nn.Linear(hidden, intermediate, bias=False))
-        setattr(self, up, nn.Linear(hidden, intermediate, bias=False))
-        setattr(self, down, nn.Linear(intermediate, hidden, bias=False))
+        gate_name, up, down = names
+        setattr(self, gate_name, nn.Linear(hidden, intermediate, bias=bias))
+        setattr(self, up, nn.Linear(hidden, intermediate, bias=bias))
+        setattr(self, down, nn.Linear(intermediate, hidden, bias=bias))
         self.act_fn = act_fn
         self._names = names
+        self._gate = gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self._names)
+        if self._gate is not None:
+            return down(self._gate(gate(x), up(x)))
         return down(self.act_fn(gate(x)) * up(x))
+
+
+class FamilyGate:
+    """A family's own ``_apply_gate``, called on separate gate and up outputs.
+
+    The outputs are laid out as the family's fused ``gate_up`` output (concatenated or
+    interleaved, a pure copy) and handed to its ``_apply_gate`` with the scalar settings and
+    parameter-free modules of the original experts (``alpha``, ``limit``, ``act_fn``), so the
+    activation is the family's code, not a re-implementation.
+    """
+
+    def __init__(self, function: object, settings: dict[str, object], interleaved: bool) -> None:
+        self.function = function
+        self.settings = types.SimpleNamespace(**settings)
+        self.interleaved = interleaved
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.interleaved:
+            joined = torch.stack([gate, up], dim=-1).flatten(-2)
+        else:
+            joined = torch.cat([gate, up], dim=-1)
+        return self.function(self.settings, joined)
 
 
 def _default_apply_gate() -> object:
@@ -101,32 +136,59 @@ def _default_apply_gate() -> object:
     return found
 
 
+def _family_gate(experts: nn.Module, layout: ExpertLayout) -> FamilyGate | None:
+    """The family's own gated activation, or ``None`` where it is transformers' default."""
+    default_gate = _default_apply_gate()
+    function = getattr(type(experts), "_apply_gate", None)
+    if function is None or function is default_gate:
+        return None
+    settings: dict[str, object] = {
+        k: v for k, v in vars(experts).items() if not k.startswith("_") and not isinstance(v, torch.Tensor)
+    }
+    for name, child in experts.named_children():
+        settings[name] = child
+    return FamilyGate(function, settings, layout.interleaved)
+
+
 def _layout_problem(experts: nn.Module) -> str | None:
-    """Why ``experts`` is not the standard fused layout (``None`` when it is)."""
+    """Why ``experts`` cannot become per-expert linear layers (``None`` when it can)."""
+    layout = layout_of(experts)
     gate_up = getattr(experts, "gate_up_proj", None)
     down = getattr(experts, "down_proj", None)
     if not isinstance(gate_up, nn.Parameter) or not isinstance(down, nn.Parameter):
         return "it has no 3D `gate_up_proj` and `down_proj` parameters"
     if gate_up.dim() != 3 or down.dim() != 3:
         return "its `gate_up_proj`/`down_proj` are not 3D"
-    for flag, standard in (
-        ("has_gate", True),
-        ("has_bias", False),
-        ("is_transposed", False),
-        ("is_concatenated", True),
-        ("has_post_expert_norm", False),
-    ):
-        if getattr(experts, flag, standard) != standard:
-            return f"`{flag}` is {not standard}"
-    default_gate = _default_apply_gate()
-    gate_fn = getattr(type(experts), "_apply_gate", default_gate)
-    if default_gate is not None and gate_fn is not default_gate:
-        return "it overrides `_apply_gate` (a custom gated activation)"
-    num, two_inter, hidden = gate_up.shape
-    if two_inter % 2 or tuple(down.shape) != (num, hidden, two_inter // 2):
-        return f"shapes {tuple(gate_up.shape)} and {tuple(down.shape)} do not fit (E, 2I, H) and (E, H, I)"
-    if not isinstance(getattr(experts, "act_fn", None), nn.Module):
+    if layout is None:
+        return (
+            "its storage is not declared (no `use_experts_implementation` flags and no entry in "
+            "`modelgraft.grafts._expert_layouts.LAYOUTS`)"
+        )
+    if not getattr(experts, "has_gate", True):
+        return "`has_gate` is False (an expert is `down(act(up(x)))`, not a gated layer)"
+    if getattr(experts, "has_post_expert_norm", False):
+        return "`has_post_expert_norm` is True (each expert ends in a norm, not a linear layer)"
+    if layout.bias:
+        for name in ("gate_up_proj_bias", "down_proj_bias"):
+            if not isinstance(getattr(experts, name, None), nn.Parameter):
+                return f"it declares biases but has no `{name}` parameter"
+    parts = split_fused(experts, layout)
+    num, inter, hidden = parts["gate"].shape
+    if tuple(parts["down"].shape) != (num, hidden, inter) or parts["up"].shape != parts["gate"].shape:
+        return (
+            f"shapes {tuple(gate_up.shape)} and {tuple(down.shape)} do not fit the declared layout "
+            f"{layout} of (E, 2I, H) and (E, H, I)"
+        )
+    gate = _family_gate(experts, layout)
+    if gate is None and not isinstance(getattr(experts, "act_fn", None), nn.Module):
         return "it has no `act_fn` module"
+    if gate is not None:
+        try:
+            with torch.device("meta"):
+                probe = torch.empty(1, inter)
+                gate(probe, probe)
+        except Exception as exc:  # the family's activation reads something a copy cannot carry
+            return f"its `_apply_gate` cannot run on separate gate/up outputs ({type(exc).__name__}: {exc})"
     return None
 
 
@@ -146,18 +208,22 @@ class _LinearExpertsBase(nn.ModuleList):
         if problem is not None:
             raise UnsupportedFamilyError(
                 f"`{original.__name__}` cannot become per-expert `nn.Linear` layers: {problem}. Expected "
-                "the standard layout `gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I) without bias."
+                "3D `gate_up_proj` and `down_proj` in the standard layout (E, 2I, H) and (E, H, I) or one "
+                "declared in `modelgraft.grafts._expert_layouts`."
             )
         self._setup(probe)
 
     def _setup(self, probe: nn.Module) -> None:
-        num, two_inter, hidden = probe.gate_up_proj.shape
+        layout = layout_of(probe)
+        num, inter, hidden = split_fused(probe, layout)["gate"].shape
         self.num_experts = num
         self.hidden_dim = hidden
-        self.intermediate_dim = two_inter // 2
-        act_fn = probe.act_fn
+        self.intermediate_dim = inter
+        self._dense_call = layout.call == "dense"
+        gate = _family_gate(probe, layout)
+        act_fn = getattr(probe, "act_fn", None) if gate is None else None
         for _ in range(num):
-            self.append(LinearExpert(hidden, two_inter // 2, act_fn, self._expert_names))
+            self.append(LinearExpert(hidden, inter, act_fn, self._expert_names, layout.bias, gate))
 
     @classmethod
     def _from_original(cls, module: nn.Module) -> nn.Module:
@@ -170,17 +236,22 @@ class _LinearExpertsBase(nn.ModuleList):
         device, dtype = module.gate_up_proj.device, module.gate_up_proj.dtype
         new._setup(module)
         new.to(device=device, dtype=dtype)
-        gate, up, down = cls._expert_names
-        inter = new.intermediate_dim
+        names = dict(zip(("gate", "up", "down"), cls._expert_names, strict=True))
+        parts = split_fused(module, layout_of(module))
         with torch.no_grad():
             for index, expert in enumerate(new):
-                getattr(expert, gate).weight.copy_(module.gate_up_proj[index, :inter])
-                getattr(expert, up).weight.copy_(module.gate_up_proj[index, inter:])
-                getattr(expert, down).weight.copy_(module.down_proj[index])
+                for role, name in names.items():
+                    layer = getattr(expert, name)
+                    layer.weight.copy_(parts[role][index])
+                    if layer.bias is not None:
+                        layer.bias.copy_(parts[f"{role}_bias"][index])
         return new
 
     def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor | None = None,
+        top_k_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Route each token to its ``top_k`` experts and sum their weighted outputs.
 
@@ -189,7 +260,18 @@ class _LinearExpertsBase(nn.ModuleList):
             top_k_index: ``(num_tokens, top_k)`` expert ids; ids outside ``[0, num_experts)``
                 (the expert-parallel sentinel) are skipped, as in transformers.
             top_k_weights: ``(num_tokens, top_k)`` routing weights.
+
+        Llama 4's experts take no routing: ``hidden_states`` is ``(num_experts * tokens, hidden)``,
+        already scaled by the router, and expert ``e`` runs on block ``e``.
         """
+        if self._dense_call:
+            blocks = hidden_states.view(self.num_experts, -1, self.hidden_dim)
+            return torch.cat([expert(block) for expert, block in zip(self, blocks, strict=True)])
+        if top_k_index is None or top_k_weights is None:
+            raise RoutingError(
+                f"`{type(self).__name__}.forward` needs `top_k_index` and `top_k_weights` (the router's "
+                "choice); received `None`."
+            )
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
             hit = torch.unique(top_k_index).tolist()
@@ -252,17 +334,38 @@ def _part(model_type: str) -> _Part:
     found = find_modules(model_type, _is_fused_experts)
     if not found:
         raise UnsupportedFamilyError(
-            f"`{model_type}` has no experts with the standard fused layout; the per-expert graft cannot "
-            f"apply. Families known to work: {', '.join(LINEAR_EXPERTS_FAMILIES)}."
+            f"`{model_type}` has no fused experts that are sets of gated linear layers; the per-expert graft "
+            f"cannot apply{_why_not(model_type)}. Families known to work: {', '.join(LINEAR_EXPERTS_FAMILIES)}."
         )
     names = builtin_expert_names(model_type)
     if names is None:
+        # transformers writes these experts fused: convert the 3D tensors on load, back on save.
+        mapping = {cls.__name__: linear_experts_class(cls) for cls in found}
+        return _Part(mapping, fused_checkpoint_converters(model_type, found))
+    nonstandard = sorted(
+        {
+            type(m).__name__
+            for m in meta_model(model_type).modules()
+            if original_class(type(m)) in found and layout_of(m) != ExpertLayout()
+        }
+    )
+    if nonstandard:
         raise UnsupportedFamilyError(
-            f"`{model_type}` checkpoints are not stored per expert by transformers (no expert merge in its "
-            "conversion mapping), so per-expert layers would not load from them."
+            f"`{model_type}` checkpoints are merged per expert by transformers into the standard layout, but "
+            f"{', '.join(f'`{n}`' for n in nonstandard)} store another one; expected (E, 2I, H) without bias."
         )
     mapping = {cls.__name__: linear_experts_class(cls, names) for cls in found}
     return _Part(mapping, (), drop_expert_merges=True)
+
+
+def _why_not(model_type: str) -> str:
+    """Why the first module of ``model_type`` holding 3D parameters is refused, as a clause."""
+    for module in meta_model(model_type).modules():
+        if any(p.dim() == 3 for p in module.parameters(recurse=False)):
+            problem = _layout_problem(module)
+            if problem is not None:
+                return f" (`{type(module).__name__}`: {problem})"
+    return " (no module holds 3D expert parameters)"
 
 
 def linear_experts(*model_types: str) -> Graft:
