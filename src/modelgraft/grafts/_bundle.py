@@ -307,12 +307,20 @@ def _builtin_conversions(model_type: str) -> tuple[Any, ...]:
 
     entries = _compat.builtin_checkpoint_conversions(model_type)
     renamings: list[tuple[list[str], list[str]]] = []
+    from_regex: list[tuple[str, list[str]]] = []
     converters: list[tuple[list[str], list[str], list[Any]]] = []
     for entry in entries:
         sources = [_plain(p, model_type) for p in entry.source_patterns]
         targets = [_plain(p, model_type) for p in entry.target_patterns]
         if type(entry).__name__ in ("WeightRenaming", "PrefixChange"):
             renamings.append((sources, targets))
+            open_ended = [
+                p
+                for p in entry.source_patterns
+                if not _PLAIN_PATTERN.match(p.strip(".")) and not p.endswith("\\.") and not _PREFIX_CAPTURE.match(p)
+            ]
+            if open_ended:
+                from_regex.append((open_ended[0], targets))
             continue
         ops = []
         for op in entry.operations:
@@ -328,6 +336,18 @@ def _builtin_conversions(model_type: str) -> tuple[Any, ...]:
                 )
         converters.append((sources, targets, ops))
     keys = [name for name, _ in meta_model(model_type).named_parameters()] if renamings else []
+    # A regular expression that does not end on a `\\.` can match inside a key segment
+    # (`\\.hc_pre\\.hc_` renames `hc_pre.hc_fn` to `hc_fn`); as a dotted pattern it would not.
+    # Carried over only where its target names whole segments of the model's keys.
+    for pattern, targets in from_regex:
+        model = meta_model(model_type)
+        names = [*keys, *(name for name, _ in model.named_buffers())]
+        if not any(_contains(key, t) for key in names for t in targets):
+            raise UnsupportedFamilyError(
+                f"transformers' conversion for `{model_type}` renames with the regular expression `{pattern}`, "
+                f"whose target `{targets[0]}` is not a run of whole key segments of the model; grafts only carry "
+                "over renamings of whole segments."
+            )
     out: list[Any] = []
     for sources, targets, ops in converters:
         for (old,), (new,) in (r for r in renamings if len(r[0]) == 1 and len(r[1]) == 1):

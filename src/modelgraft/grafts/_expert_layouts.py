@@ -14,9 +14,9 @@ on the gate and up outputs laid out as the family expects them.
 
 Example:
     >>> layout_of(type("GptOssExperts", (), {}))
-    ExpertLayout(transposed=True, interleaved=True, bias=True, call='routed')
+    ExpertLayout(transposed=True, interleaved=True, bias=True, call='routed', activation='clamped_swiglu')
     >>> layout_of(type("Qwen2MoeExperts", (), {"is_transposed": False}))
-    ExpertLayout(transposed=False, interleaved=False, bias=False, call='routed')
+    ExpertLayout(transposed=False, interleaved=False, bias=False, call='routed', activation=None)
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from modelgraft import _compat
 from modelgraft.conversion.ops import (
     Chunk,
     ConversionContext,
@@ -65,20 +66,46 @@ class ExpertLayout:
         bias: ``gate_up_proj_bias`` ``(E, 2I)`` and ``down_proj_bias`` ``(E, H)`` exist.
         call: ``"routed"``: ``forward(hidden_states, top_k_index, top_k_weights)``;
             ``"dense"``: ``forward(hidden_states)`` with ``(E * tokens, H)`` inputs, each expert
-            applied to its own block of tokens (Llama 4).
+            applied to its own block of tokens (Llama 4); ``"routed_by_expert"``: as routed,
+            but the weights are ``(tokens, E)`` and indexed by expert id (GPT-OSS on 4.57).
+        activation: where the class has no ``_apply_gate`` of its own, the name of the gated
+            activation its forward computes inline (``"clamped_swiglu"``: GPT-OSS on 4.57);
+            ``None`` for ``act_fn(gate) * up``.
     """
 
     transposed: bool = False
     interleaved: bool = False
     bias: bool = False
     call: str = "routed"
+    activation: str | None = None
 
 
 #: Families whose experts are not described by ``use_experts_implementation`` flags.
 LAYOUTS: dict[str, ExpertLayout] = {
-    "GptOssExperts": ExpertLayout(transposed=True, interleaved=True, bias=True),
+    "GptOssExperts": ExpertLayout(
+        transposed=True,
+        interleaved=True,
+        bias=True,
+        # transformers 4.57: the activation is inline in forward, the weights scattered per expert
+        call="routed" if _compat.FUSED_MOE_EXPERTS else "routed_by_expert",
+        activation="clamped_swiglu",
+    ),
     "Llama4TextExperts": ExpertLayout(transposed=True, call="dense"),
 }
+
+
+def clamped_swiglu(settings: object, gate_up: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's gated activation on an interleaved ``gate_up`` output (as its 4.57 forward has it
+    inline, with the experts' ``alpha`` and ``limit``)."""
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(min=None, max=settings.limit)
+    up = up.clamp(min=-settings.limit, max=settings.limit)
+    glu = gate * torch.sigmoid(gate * settings.alpha)
+    return (up + 1) * glu
+
+
+#: Inline activations by name (see :attr:`ExpertLayout.activation`).
+ACTIVATIONS = {"clamped_swiglu": clamped_swiglu}
 
 
 def layout_of(experts_class: type) -> ExpertLayout | None:

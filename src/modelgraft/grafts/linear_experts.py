@@ -28,6 +28,7 @@ import types
 
 import torch
 from torch import nn
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from modelgraft import _compat
 from modelgraft._forksafe import ForkSafeLock
@@ -41,15 +42,16 @@ from modelgraft.grafts._bundle import (
     meta_model,
     original_class,
 )
-from modelgraft.grafts._expert_layouts import ExpertLayout, fused_checkpoint_converters, layout_of, split_fused
+from modelgraft.grafts._expert_layouts import ACTIVATIONS, ExpertLayout, fused_checkpoint_converters, layout_of, split_fused
 from modelgraft.grafts._pickling import RECIPE_ATTR, GraftedClass
 
 __all__ = ["LINEAR_EXPERTS_FAMILIES", "FamilyGate", "LinearExpert", "linear_experts", "linear_experts_class"]
 
 DEFAULT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
-#: Model types :func:`linear_experts` covers by default (each one tested).
-LINEAR_EXPERTS_FAMILIES: tuple[str, ...] = (
+#: Families that are checkpointed per expert or fused, in the standard layout or one declared in
+#: :mod:`modelgraft.grafts._expert_layouts` (each one tested on every transformers line that has it).
+_FAMILIES: tuple[str, ...] = (
     "qwen2_moe",
     "qwen3_moe",
     "mixtral",
@@ -65,6 +67,48 @@ LINEAR_EXPERTS_FAMILIES: tuple[str, ...] = (
     "hunyuan_v1_moe",
     "jamba",
     "qwen3_next",
+    # refused before: transposed, interleaved or biased experts, regex renamings, fused checkpoints
+    "qwen3_5_moe_text",
+    "qwen3_vl_moe_text",
+    "gemma4_text",
+    "llama4_text",
+    "gpt_oss",
+    "granitemoe",
+    "granitemoeshared",
+    "granitemoehybrid",
+    "granitemoe_swa",
+    "aria_text",
+    # new in transformers 5
+    "afmoe",
+    "axk1",
+    "axk2",
+    "cohere2_moe",
+    "deepseek_v32",
+    "exaone_moe",
+    "glm4_moe_lite",
+    "glm4v_moe_text",
+    "glm_moe_dsa",
+    "hy_v3",
+    "inkling_text",
+    "kolibri1",
+    "laguna",
+    "mellum",
+    "mimo_v2_flash",
+    "minimax_m2",
+    "minimax_m3_vl_text",
+    "mistral4",
+    "openai_privacy_filter",
+    "solar_open",
+)
+
+#: On transformers 4.57, the first 15 already have per-expert experts (the graft replaces nothing);
+#: these keep fused ones there too.
+_FAMILIES_V4: tuple[str, ...] = (*_FAMILIES[:15], "gpt_oss", "llama4_text")
+
+#: Model types :func:`linear_experts` covers by default: those of :data:`_FAMILIES` the installed
+#: transformers has (transformers 4.57 builds most of them per expert already).
+LINEAR_EXPERTS_FAMILIES: tuple[str, ...] = tuple(
+    t for t in _FAMILIES if t in CONFIG_MAPPING_NAMES and (_compat.FUSED_MOE_EXPERTS or t in _FAMILIES_V4)
 )
 
 
@@ -140,6 +184,8 @@ def _family_gate(experts: nn.Module, layout: ExpertLayout) -> FamilyGate | None:
     """The family's own gated activation, or ``None`` where it is transformers' default."""
     default_gate = _default_apply_gate()
     function = getattr(type(experts), "_apply_gate", None)
+    if function is None and layout.activation is not None:
+        function = ACTIVATIONS[layout.activation]
     if function is None or function is default_gate:
         return None
     settings: dict[str, object] = {
@@ -220,6 +266,7 @@ class _LinearExpertsBase(nn.ModuleList):
         self.hidden_dim = hidden
         self.intermediate_dim = inter
         self._dense_call = layout.call == "dense"
+        self._weights_by_expert = layout.call == "routed_by_expert"
         gate = _family_gate(probe, layout)
         act_fn = getattr(probe, "act_fn", None) if gate is None else None
         for _ in range(num):
@@ -252,6 +299,8 @@ class _LinearExpertsBase(nn.ModuleList):
         hidden_states: torch.Tensor,
         top_k_index: torch.Tensor | None = None,
         top_k_weights: torch.Tensor | None = None,
+        router_indices: torch.Tensor | None = None,
+        routing_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Route each token to its ``top_k`` experts and sum their weighted outputs.
 
@@ -261,17 +310,29 @@ class _LinearExpertsBase(nn.ModuleList):
                 (the expert-parallel sentinel) are skipped, as in transformers.
             top_k_weights: ``(num_tokens, top_k)`` routing weights.
 
-        Llama 4's experts take no routing: ``hidden_states`` is ``(num_experts * tokens, hidden)``,
+        ``router_indices``/``routing_weights`` are GPT-OSS's names for the same two (it passes them
+        by keyword on transformers 4.57). Llama 4's experts take no routing: ``hidden_states`` is ``(num_experts * tokens, hidden)``,
         already scaled by the router, and expert ``e`` runs on block ``e``.
         """
         if self._dense_call:
             blocks = hidden_states.view(self.num_experts, -1, self.hidden_dim)
             return torch.cat([expert(block) for expert, block in zip(self, blocks, strict=True)])
+        top_k_index = router_indices if top_k_index is None else top_k_index
+        top_k_weights = routing_weights if top_k_weights is None else top_k_weights
         if top_k_index is None or top_k_weights is None:
             raise RoutingError(
                 f"`{type(self).__name__}.forward` needs `top_k_index` and `top_k_weights` (the router's "
                 "choice); received `None`."
             )
+        if self._weights_by_expert:  # GPT-OSS on 4.57: (batch, seq, hidden) in and out
+            batch = hidden_states.shape[0]
+            flat = self._route(hidden_states.reshape(-1, self.hidden_dim), top_k_index, top_k_weights)
+            return flat.view(batch, -1, self.hidden_dim)
+        return self._route(hidden_states, top_k_index, top_k_weights)
+
+    def _route(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
             hit = torch.unique(top_k_index).tolist()
@@ -280,7 +341,8 @@ class _LinearExpertsBase(nn.ModuleList):
                 continue
             # Same visiting order as transformers (by top-k slot, then token) so sums match.
             k_pos, token_idx = torch.where((top_k_index == expert_id).T)
-            current = self[expert_id](hidden_states[token_idx]) * top_k_weights[token_idx, k_pos, None]
+            weights = top_k_weights[token_idx, expert_id if self._weights_by_expert else k_pos, None]
+            current = self[expert_id](hidden_states[token_idx]) * weights
             out.index_add_(0, token_idx, current.to(out.dtype))
         return out
 
@@ -359,8 +421,12 @@ def _part(model_type: str) -> _Part:
 
 
 def _why_not(model_type: str) -> str:
-    """Why the first module of ``model_type`` holding 3D parameters is refused, as a clause."""
-    for module in meta_model(model_type).modules():
+    """Why ``model_type``'s experts are refused, as a clause (its experts modules first)."""
+    modules = list(meta_model(model_type).modules())
+    if find_modules(model_type, _is_expert_list):
+        return " (its experts are already a `ModuleList` of per-expert layers: nothing to replace)"
+    modules.sort(key=lambda m: "Expert" not in type(m).__name__)
+    for module in modules:
         if any(p.dim() == 3 for p in module.parameters(recurse=False)):
             problem = _layout_problem(module)
             if problem is not None:
