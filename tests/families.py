@@ -181,6 +181,7 @@ FAMILIES: tuple[Family, ...] = (
             "mistral4",
             "openai_privacy_filter",
             "solar_open",
+            "dots3_note_text",
         )
     ),
     # BERT-like encoders

@@ -99,6 +99,7 @@ _FAMILIES: tuple[str, ...] = (
     "mistral4",
     "openai_privacy_filter",
     "solar_open",
+    "dots3_note_text",
 )
 
 #: On transformers 4.57, the first 15 already have per-expert experts (the graft replaces nothing);
