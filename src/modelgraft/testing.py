@@ -23,6 +23,7 @@ from typing import Any
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from modelgraft import _compat
 from modelgraft.errors import UnknownModelTypeError
 
 __all__ = ["UnknownModelTypeError", "tiny_config", "tiny_overrides"]
@@ -72,6 +73,8 @@ _TINY: dict[str, Any] = {
     "sliding_window": 64,
 }
 
+_MROPE: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+
 # What the generic table cannot know: fields whose valid value depends on the family.
 _FAMILY: dict[str, dict[str, Any]] = {
     # Multi-head latent attention: ranks and rope/nope split of the 16-wide heads.
@@ -107,15 +110,14 @@ _FAMILY: dict[str, dict[str, Any]] = {
     },
     # Inkling: its sliding-window heads have sizes of their own.
     "inkling_text": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16},
-    # GLM-4.5V text: multimodal rotary sections must fill the 8 rotary dims of a 16-wide head.
-    "glm4v_moe_text": {
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.5,
-            "mrope_section": [2, 1, 1],
-        }
-    },
+    # Multimodal rotary sections must fill the 8 rotary dims of a 16-wide head (GLM-4.5V: half of it).
+    # transformers 4.57 spells the rotary settings `rope_scaling`, 5.x `rope_parameters`.
+    "glm4v_moe_text": (
+        {"rope_parameters": {**_MROPE, "partial_rotary_factor": 0.5}}
+        if _compat.IS_V5
+        else {"rope_scaling": _MROPE, "partial_rotary_factor": 0.5}
+    ),
+    "qwen3_vl_moe_text": {} if _compat.IS_V5 else {"rope_scaling": _MROPE},
     # Linear-attention hybrids: one layer of each kind (two linear layers leave no attention cache).
     "qwen3_5_moe_text": {
         "layer_types": ["linear_attention", "full_attention"],
@@ -124,7 +126,9 @@ _FAMILY: dict[str, dict[str, Any]] = {
         "linear_num_key_heads": 2,
         "linear_num_value_heads": 4,
     },
-    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    "granitemoehybrid": {
+        "layer_types": ["linear_attention", "full_attention"] if _compat.IS_V5 else ["mamba", "attention"]
+    },
     # Jamba: one attention layer and one MoE layer among the two.
     "jamba": {
         "attn_layer_period": 2,

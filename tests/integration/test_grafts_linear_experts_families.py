@@ -74,8 +74,11 @@ def _fused_here(model_type: str) -> str | None:
     missing = missing_model_type(model_type)
     if missing is not None:
         return missing
-    if model_type not in LINEAR_EXPERTS_FAMILIES:
-        return f"transformers {_compat.TRANSFORMERS_VERSION} builds `{model_type}` experts per expert already"
+    if not _compat.FUSED_MOE_EXPERTS and model_type not in ("gpt_oss", "llama4_text"):
+        return (
+            f"transformers {_compat.TRANSFORMERS_VERSION} has no fused 3D experts in `{model_type}` "
+            "(per-expert layers or a layout of its own); only GPT-OSS and Llama 4 are fused there"
+        )
     return None
 
 
