@@ -139,7 +139,9 @@ def test_grafted_experts_give_the_plain_outputs_and_save_the_plain_checkpoint(
     experts = [m for m in grafted.modules() if isinstance(m, LinearExpert)]
     assert experts, "no per-expert layers in the grafted model"
     assert all(isinstance(getattr(e, n), nn.Linear) for e in experts for n in e._names)
-    assert not any(n.endswith((".experts.gate_up_proj", ".experts.down_proj")) for n, _ in grafted.named_parameters())
+    assert not any(
+        n.endswith((".experts.gate_up_proj", ".experts.down_proj")) for n, _ in grafted.named_parameters()
+    )
 
     expected, got = _outputs(plain, model_type), _outputs(grafted, model_type)
     assert got.shape == expected.shape and got.dtype == expected.dtype == torch.float32
@@ -172,7 +174,9 @@ def test_families_whose_experts_are_not_linear_layers_are_refused_with_the_reaso
     if (why := missing_model_type(model_type)) is not None:
         pytest.skip(why)
     if not _compat.FUSED_MOE_EXPERTS:
-        pytest.skip(f"the refusals are pinned for transformers 5.x (installed: {_compat.TRANSFORMERS_VERSION})")
+        pytest.skip(
+            f"the refusals are pinned for transformers 5.x (installed: {_compat.TRANSFORMERS_VERSION})"
+        )
     with pytest.raises(UnsupportedFamilyError, match=REFUSED[model_type]):
         linear_experts(model_type)
 

@@ -317,7 +317,9 @@ def _builtin_conversions(model_type: str) -> tuple[Any, ...]:
             open_ended = [
                 p
                 for p in entry.source_patterns
-                if not _PLAIN_PATTERN.match(p.strip(".")) and not p.endswith("\\.") and not _PREFIX_CAPTURE.match(p)
+                if not _PLAIN_PATTERN.match(p.strip("."))
+                and not p.endswith("\\.")
+                and not _PREFIX_CAPTURE.match(p)
             ]
             if open_ended:
                 from_regex.append((open_ended[0], targets))

@@ -42,7 +42,13 @@ from modelgraft.grafts._bundle import (
     meta_model,
     original_class,
 )
-from modelgraft.grafts._expert_layouts import ACTIVATIONS, ExpertLayout, fused_checkpoint_converters, layout_of, split_fused
+from modelgraft.grafts._expert_layouts import (
+    ACTIVATIONS,
+    ExpertLayout,
+    fused_checkpoint_converters,
+    layout_of,
+    split_fused,
+)
 from modelgraft.grafts._pickling import RECIPE_ATTR, GraftedClass
 
 __all__ = ["LINEAR_EXPERTS_FAMILIES", "FamilyGate", "LinearExpert", "linear_experts", "linear_experts_class"]

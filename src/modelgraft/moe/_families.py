@@ -96,7 +96,9 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "switch_transformers": {"d_ff": 32},
     "nllb-moe": {"encoder_ffn_dim": 32, "decoder_ffn_dim": 32},
     "glm5_next_text": {"index_topk": 16},
-    "hy_v4_vl_text": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}},
+    "hy_v4_vl_text": {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    },
     "glm4v_moe_text": {
         "rope_parameters": {
             "rope_type": "default",
