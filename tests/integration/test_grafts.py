@@ -37,7 +37,7 @@ ATOL = 1e-5
 LAYOUT = {
     "fused_qkv": ("self_attn.qkv_proj.weight", "self_attn.q_proj.weight"),
     "fused_gate_up": (".gate_up_proj.weight", "mlp.gate_proj.weight"),
-    "linear_experts": ("experts.0.", "experts.gate_up_proj"),
+    "linear_experts": ("experts.0.", ".experts.gate_up_proj"),  # not `shared_experts.gate_up_proj`
 }
 
 CASES = [
