@@ -5,7 +5,11 @@ Prints, for a Llama 3 70B-shaped config written to a temporary folder:
 * the in-process cost of ``inspect_architecture`` (first call, which includes importing the
   modeling module, and the median of warm calls), the target being well under 2 s;
 * the wall time of the whole ``modelgraft inspect PATH --json`` command in a fresh process, for
-  reference (it is dominated by importing torch and transformers).
+  reference (it is dominated by importing torch and transformers);
+* modelgraft's own share of ``import modelgraft`` in a fresh process: ``python -X importtime``
+  parsed, the self time of every ``modelgraft.*`` module against the whole import (the rest is
+  torch, transformers and their dependencies), and whether transformers' Auto model classes were
+  resolved (they must not be: ``import modelgraft`` leaves ``modeling_auto`` unimported).
 
 Run: ``.venv/bin/python benchmarks/inspect_speed.py``
 """
@@ -35,6 +39,44 @@ LLAMA_70B = {
     "rope_theta": 500000.0,
     "tie_word_embeddings": False,
 }
+
+
+def import_share(python: str = sys.executable) -> dict[str, float | bool]:
+    """Seconds of a fresh ``import modelgraft``: in total, in modelgraft's own modules, in torch
+    and in transformers (each cumulative, as first imported), from ``python -X importtime``.
+    """
+    probe = "import sys, modelgraft; print('transformers.models.auto.modeling_auto' in sys.modules)"
+    done = subprocess.run(
+        [python, "-X", "importtime", "-c", probe], capture_output=True, text=True, check=True
+    )
+    found: dict[str, float | bool] = dict(parse_importtime(done.stderr.splitlines()))
+    found["auto_classes_resolved"] = done.stdout.strip().endswith("True")
+    return found
+
+
+def parse_importtime(lines: list[str]) -> dict[str, float]:
+    """``total_s`` (cumulative of ``modelgraft``), ``own_s`` (self time of ``modelgraft.*``) and
+    ``torch_s``/``transformers_s`` (cumulative where first imported) from ``-X importtime`` lines.
+
+    Example (the parser on two lines of ``-X importtime`` output):
+        >>> parse_importtime(["import time:       100 |        100 |   modelgraft.errors",
+        ...                   "import time:       250 |       1350 | modelgraft"])["own_s"]
+        0.00035
+    """
+    own_us, cumulative = 0, {}
+    for line in lines:
+        if not line.startswith("import time:") or "self [us]" in line:
+            continue
+        self_us, cumulative_us, name = (part.strip() for part in line[len("import time:") :].split("|"))
+        if name == "modelgraft" or name.startswith("modelgraft."):
+            own_us += int(self_us)
+        cumulative.setdefault(name, int(cumulative_us))
+    return {
+        "total_s": cumulative.get("modelgraft", 0) / 1e6,
+        "own_s": own_us / 1e6,
+        "torch_s": cumulative.get("torch", 0) / 1e6,
+        "transformers_s": cumulative.get("transformers", 0) / 1e6,
+    }
 
 
 def main() -> int:
@@ -69,6 +111,16 @@ def main() -> int:
     print(f"inspect, in process, warm (median of 5): {statistics.median(warm):6.3f} s")
     print(
         f"`modelgraft inspect --json` process:    {process_s:7.3f} s wall (inspect itself: {reported:.3f} s)"
+    )
+    share = import_share()
+    own, total = float(share["own_s"]), float(share["total_s"])
+    print(
+        f"import modelgraft, fresh process:       {total:7.3f} s; modelgraft's own modules {own:.3f} s "
+        f"({100 * own / total if total else 0:.1f}%), torch {float(share['torch_s']):.3f} s, "
+        f"transformers {float(share['transformers_s']):.3f} s (cumulative, self-reported by -X importtime)"
+    )
+    print(
+        f"transformers' Auto model classes resolved by `import modelgraft`: {share['auto_classes_resolved']}"
     )
     ok = first_s < TARGET_S
     print(f"target: inspect under {TARGET_S:.0f} s -> {'OK' if ok else 'MISSED'} ({first_s:.3f} s)")

@@ -18,8 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import transformers
-from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig, PreTrainedModel
 
 from modelgraft.errors import GraftError
 

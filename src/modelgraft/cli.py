@@ -27,10 +27,12 @@ from types import SimpleNamespace
 from typing import Any, NoReturn, TextIO
 
 import torch
+from transformers import logging as hf_logging
 
-from modelgraft import _compat
+from modelgraft import _compat, registry, swap
 from modelgraft._target import TargetError, import_object, model_class_for, resolve_config
 from modelgraft.errors import GraftError
+from modelgraft.verify import verify
 
 __all__ = ["main"]
 
@@ -53,8 +55,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except _UsageError as exc:
         return _refuse(exc.prog, json_mode, f"UsageError: {exc}" if json_mode else str(exc), stdout)
-    from transformers.utils import logging as hf_logging
-
     # Progress bars and load warnings would interleave with the tables (and break --json on stdout
     # for tools that merge the streams); restored afterwards for callers of main() in process.
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
@@ -175,8 +175,6 @@ def _parser() -> argparse.ArgumentParser:
 @contextlib.contextmanager
 def _extra_keys(keys: list[str], grafts: list[str], model_type: str | None = None) -> Iterator[None]:
     """Overlay ``--key`` placeholders (and ``--graft`` mappings) on the registry for this command."""
-    from modelgraft import registry
-
     mapping: dict[str, type[torch.nn.Module]] = {}
     for ref in grafts:
         mapping.update(_load_graft(ref, model_type).mapping)
@@ -231,8 +229,6 @@ def _reported(what: str) -> Iterator[None]:
 
 def _key_candidates(class_name: str) -> dict[str, Any]:
     """Which keys match ``class_name``, which one wins and why, as plain data."""
-    from modelgraft import registry
-
     explanation = registry.explain(class_name, registry.snapshot())
     winner = None
     if explanation.winner is not None and explanation.replacement is not None:
@@ -270,8 +266,6 @@ def inspect_architecture(target: str) -> dict[str, Any]:
         >>> [c["count"] for c in info["classes"] if c["class"] == "LlamaDecoderLayer"]
         [32]
     """
-    from modelgraft import registry
-
     start = time.perf_counter()
     config, _ = resolve_config(target)
     model_cls = model_class_for(config)
@@ -311,8 +305,6 @@ def inspect_architecture(target: str) -> dict[str, Any]:
 def _describe_class(cls: type, example: torch.nn.Module) -> dict[str, Any]:
     # Classes outside the patch scope (torch, non-modeling transformers modules such as
     # activations) are never swapped at load time: say so instead of listing keys for them.
-    from modelgraft import swap
-
     patchable = not swap._is_library_module(cls.__module__)
     # Containers (a whole decoder stack) would list thousands of tensors; their own direct
     # parameters plus a count say more.
@@ -400,8 +392,6 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from modelgraft.verify import verify
-
     _run_imports(args.imports)
     bundles = [_load_graft(ref, _model_type_of(args.target)) for ref in args.graft or ()]
     result = verify(args.target, graft=bundles or None, atol=args.atol, rtol=args.rtol, seed=args.seed)

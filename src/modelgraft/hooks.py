@@ -1,6 +1,8 @@
 """Apply patches automatically when transformers builds a model, and the context managers users call.
 
-:func:`install` (run by ``import modelgraft``; idempotent; undone by :func:`uninstall`):
+:func:`install` (run by ``import modelgraft``; idempotent; undone by :func:`uninstall`) installs
+the four groups of wrappers of :mod:`modelgraft._compat.wraps`, in its order (construction step,
+loaders, recorder lookup, conversion wiring):
 
 * wraps ``PreTrainedModel.from_pretrained`` and ``PreTrainedModel._from_config`` (which
   ``AutoModel*.from_pretrained``/``from_config`` and composite models go through). Each load
@@ -25,7 +27,6 @@ Example:
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -33,8 +34,8 @@ from typing import Any
 
 import torch
 
-from modelgraft import _compat, recorders, registry, swap
-from modelgraft._wrapping import Wrappers
+from modelgraft import _compat, conversion, recorders, registry, swap
+from modelgraft.conversion.rules import validate_conversions
 from modelgraft.registry import Snapshot
 from modelgraft.report import _report_for, check_strict, diagnose_load, strict_requested
 
@@ -59,7 +60,6 @@ class _Load:
 
 
 _active_load: ContextVar[_Load | None] = ContextVar("modelgraft_active_load", default=None)
-_wrappers = Wrappers()
 
 
 # ---- public context managers --------------------------------------------------------------------
@@ -115,7 +115,7 @@ def patched(
         >>> get_patch_mapping()
         {}
     """
-    validated = _validated_conversions(conversions)
+    validated = validate_conversions(conversions) if conversions is not None else None
     with registry.scoped(mapping, conversions=validated, strict=strict) as snap:
         yield snap
 
@@ -139,13 +139,6 @@ def unpatched() -> Iterator[None]:
     """
     with registry.isolated():
         yield
-
-
-def _validated_conversions(conversions: Mapping[str, list] | None) -> Mapping[str, tuple] | None:
-    if conversions is None:
-        return None
-    rules = importlib.import_module("modelgraft.conversion.rules")  # on use: patching does not need it
-    return rules.validate_conversions(conversions)
 
 
 # ---- the wrapped loaders ------------------------------------------------------------------------
@@ -244,50 +237,32 @@ def _construction_step() -> Iterator[None]:
             yield
 
 
-# ---- transformers-version-specific part: what gets wrapped --------------------------------------
-def _base() -> type:
-    """The class whose loaders are wrapped (the construction step itself lives in ``_compat``)."""
-    from transformers import modeling_utils
-
-    return modeling_utils.PreTrainedModel
-
-
+# ---- installation ----------------------------------------------------------------------------------
 def installed() -> bool:
     """Whether the load hooks are in place."""
-    return _wrappers.installed
+    return _compat.loaders_installed()
 
 
 def install() -> None:
-    """Install the load hooks and the per-instance recorder lookup (idempotent)."""
-    base = _base()
+    """Install every group of wrappers, in the order of ``_compat.wraps.GROUPS`` (idempotent)."""
     if not installed():
-        # Before wrapping _from_config: on transformers 4.57 the step wraps it underneath.
+        # Before the loaders: on transformers 4.57 the step wraps `_from_config` underneath them.
         _compat.install_construction_step(_construction_step)
-        steps = [(base, "from_pretrained", _wrap_from_pretrained), (base, "_from_config", _wrap_from_config)]
-        if "initialize_weights" in base.__dict__:
-            steps.append((base, "initialize_weights", _wrap_initialize_weights))
-        _wrappers.install(steps)
+        _compat.install_loaders(
+            {
+                "from_pretrained": _wrap_from_pretrained,
+                "_from_config": _wrap_from_config,
+                "initialize_weights": _wrap_initialize_weights,
+            }
+        )
     recorders.install_instance_lookup()
-    conversion = _conversion_package()
-    if conversion is not None:
-        conversion.install()
+    conversion.install()
 
 
 def uninstall() -> None:
-    """Remove everything :func:`install` added (idempotent)."""
-    if installed():
-        _wrappers.uninstall()
-        _compat.uninstall_construction_step()
+    """Remove everything :func:`install` added, in reverse order (idempotent)."""
+    conversion.uninstall()
     recorders.uninstall_instance_lookup()
-    conversion = _conversion_package()
-    if conversion is not None:
-        conversion.uninstall()
-
-
-def _conversion_package() -> Any:
-    try:
-        return importlib.import_module("modelgraft.conversion")
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("modelgraft.conversion",):
-            raise
-        return None
+    if installed():
+        _compat.uninstall_loaders()
+        _compat.uninstall_construction_step()

@@ -63,8 +63,8 @@ from modelgraft._live_carry import (
 )
 from modelgraft.conversion import rules
 from modelgraft.conversion._plan import Group, plan_groups, run_convert
-from modelgraft.conversion.load import resolve_scopes
 from modelgraft.conversion.save import remember_graft
+from modelgraft.conversion.scopes import resolve_scopes
 from modelgraft.errors import ConversionError, GraftError
 from modelgraft.registry import Snapshot
 from modelgraft.report import ConversionRecord, ReplacedModule, _report_for
@@ -383,14 +383,7 @@ def _checkpoint_origins(
 
 
 def _revert_builtin(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-        from transformers.modeling_utils import PreTrainedModel
-    except ImportError:  # transformers 4.x: the live layout is the checkpoint layout
-        return None
-    if not isinstance(model, PreTrainedModel):
-        return None
-    return revert_weight_conversion(model, dict(state))
+    return _compat.revert_builtin_conversion(model, state)
 
 
 def _converters_for(model: torch.nn.Module, path: str) -> list[Any]:

@@ -20,8 +20,7 @@ import dataclasses
 import difflib
 from typing import Any
 
-from transformers import AutoConfig, PretrainedConfig
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 
 from modelgraft import _compat
 from modelgraft.errors import UnknownModelTypeError

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 from transformers import PretrainedConfig
+from transformers import logging as hf_logging
 
 from modelgraft._compare import compare_outputs, few, same_bits
 from modelgraft._target import (
@@ -55,7 +56,7 @@ from modelgraft._target import (
     resolve_config,
 )
 from modelgraft.errors import GraftError
-from modelgraft.hooks import unpatched
+from modelgraft.hooks import patched, unpatched
 from modelgraft.report import report
 
 __all__ = ["Check", "VerifyArgumentError", "VerifyReport", "verify"]
@@ -250,8 +251,6 @@ def _workdir(workdir: str | Path | None) -> Iterator[Path]:
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """No progress bars for the half-dozen loads and saves of one verification."""
-    from transformers.utils import logging as hf_logging
-
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -266,8 +265,6 @@ def _grafting(mapping: dict | None, conversions: dict | None) -> Iterator[None]:
     if mapping is None and conversions is None:
         yield  # verify what is registered globally
         return
-    from modelgraft import patched
-
     with patched(mapping or {}, conversions=conversions):
         yield
 

@@ -87,12 +87,11 @@ def test_conversion_hooks_can_be_removed_and_reinstalled(tmp_path):
     from modelgraft import _compat, conversion
     from modelgraft._wrapping import is_wrapped
 
-    hooks = _compat.conversion_hooks()  # the wiring for the installed transformers (4.57 or 5.x)
     _save_plain("llama", tmp_path)
-    assert hooks.installed()
+    assert _compat.conversion_wiring_installed()  # the wiring for the installed transformers (4.57 or 5.x)
     conversion.uninstall()
     try:
-        assert not hooks.installed()
+        assert not _compat.conversion_wiring_installed()
         wrapped = [modeling_utils.PreTrainedModel.__dict__["post_init"]]
         if _compat.HAS_BUILTIN_CONVERSION:
             wrapped.append(modeling_utils.get_model_conversion_mapping)
@@ -103,7 +102,7 @@ def test_conversion_hooks_can_be_removed_and_reinstalled(tmp_path):
     finally:
         conversion.install()
         conversion.install()  # idempotent
-    assert hooks.installed()
+    assert _compat.conversion_wiring_installed()
     with patched(FUSED, conversions={"llama": [QKV]}):
         model = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert len(report(model).conversions) == 4

@@ -188,7 +188,7 @@ def test_a_plain_load_ignores_a_registered_conversion(tmp_path):
 def test_composite_model_resolves_the_entry_per_sub_model(tmp_path):
     from transformers import AutoModelForImageTextToText
 
-    from modelgraft.conversion.load import resolve_scopes
+    from modelgraft.conversion.scopes import resolve_scopes
 
     torch.manual_seed(0)
     plain = AutoModelForImageTextToText.from_config(tiny_config("llava")).eval()

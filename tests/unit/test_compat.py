@@ -1,5 +1,5 @@
 """The compatibility layer: supported versions, facts about the installed transformers, and the
-version-specific seams (missing-key init, per-instance output recorders, MoE router sites).
+version-specific seams (construction site, per-instance output recorders, MoE router sites).
 
 Runs on both legs (``make test`` on 5.x, ``make test-compat`` on 4.57); each fact is checked
 against the installed transformers itself, so a wrong fact fails on the leg where it is wrong.
@@ -24,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaMod
 
 from _versions import IS_V5, requires_v4
 from modelgraft import UnsupportedTransformersError, _compat
+from modelgraft._compat import _version
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,10 +72,11 @@ def test_unsupported_error_is_an_import_error() -> None:
 def test_importing_the_compat_module_under_an_unsupported_transformers_raises(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Execute a fresh copy of the module, so the real one (already imported) stays untouched.
+    # Execute a fresh copy of the module that checks the version when `_compat` is imported, so
+    # the real one (already imported) stays untouched.
     # (The module object in sys.modules is the one an import statement sees.)
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.56.0")
-    spec = importlib.util.spec_from_file_location("_modelgraft_compat_probe", _compat.__file__)
+    spec = importlib.util.spec_from_file_location("_modelgraft_compat_probe", _version.__file__)
     assert spec is not None and spec.loader is not None
     probe = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, probe)  # dataclasses look their module up there
@@ -115,43 +117,17 @@ def test_feature_flags_match_the_installed_modules() -> None:
     )
 
 
-def test_loading_internals_match_the_installed_source() -> None:
-    facts = _compat.loading_internals()
-    init_ctx = getattr(PreTrainedModel, facts.init_context_method)
-    assert callable(init_ctx)
-    assert facts.builtin_patch_context == ("apply_patches" in inspect.getsource(init_ctx))
-    assert facts.from_config_has_init_contexts == (
-        "init_contexts = [apply_patches()]" in inspect.getsource(PreTrainedModel._from_config)
+def test_the_construction_sites_match_the_installed_source() -> None:
+    # 5.x enters its own `apply_patches()` around `cls(config)` in both loaders (the construction
+    # site wrapped there); 4.57 has none and builds inside `get_init_context()`'s contexts.
+    init_ctx = PreTrainedModel.get_init_context
+    assert ("apply_patches" in inspect.getsource(init_ctx)) == IS_V5
+    assert ("init_contexts = [apply_patches()]" in inspect.getsource(PreTrainedModel._from_config)) == IS_V5
+    assert ("revert_weight_conversion" in inspect.getsource(PreTrainedModel.save_pretrained)) == IS_V5
+    registry_module = importlib.import_module(
+        "transformers.utils.output_capturing" if IS_V5 else "transformers.utils.generic"
     )
-    params = inspect.signature(PreTrainedModel._initialize_missing_keys).parameters
-    assert facts.missing_keys_argument == ("missing_keys" in params)
-    assert facts.save_reverts_conversions == (
-        "revert_weight_conversion" in inspect.getsource(PreTrainedModel.save_pretrained)
-    )
-    registry_module = importlib.import_module(facts.record_registry_module)
     assert hasattr(registry_module, "_CAN_RECORD_REGISTRY")
-    assert _compat.output_recorder_class() is registry_module.OutputRecorder
-
-
-# --- missing-key initialisation ------------------------------------------------------------------
-
-
-def test_initialize_missing_keys_initialises_only_the_missing_tensors() -> None:
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_llama_config())
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(7.0)
-    missing = {"model.layers.0.mlp.up_proj.weight", "model.norm.weight"}
-    _compat.initialize_missing_keys(model, missing)
-    state = model.state_dict()
-    up = state["model.layers.0.mlp.up_proj.weight"]
-    assert not torch.any(up == 7.0)
-    assert 0.0 < up.std().item() < 0.1  # initializer_range 0.02
-    assert torch.equal(state["model.norm.weight"], torch.ones_like(state["model.norm.weight"]))
-    for key, value in state.items():
-        if key not in missing and "rotary" not in key:
-            assert torch.all(value == 7.0), key
 
 
 # --- per-instance output recorders ---------------------------------------------------------------
@@ -162,8 +138,21 @@ def _attentions(model: torch.nn.Module) -> int:
     return len(out.attentions) if out.attentions is not None else 0
 
 
+def _output_recorder_class() -> type:
+    module = "transformers.utils.output_capturing" if IS_V5 else "transformers.utils.generic"
+    return importlib.import_module(module).OutputRecorder
+
+
+def _bind_instance_recorders(model: torch.nn.Module, recorders: dict) -> None:
+    """Record outputs of ``model`` (and of no other model) with ``recorders``, as
+    ``recorders.patch_output_recorders`` does: on the instance, looked up and tracked."""
+    object.__setattr__(model, "_can_record_outputs", dict(recorders))
+    _compat.install_recorder_lookup()
+    _compat.track_instance_recorders(model)
+
+
 def _only_layer0_attention() -> dict:
-    recorder = _compat.output_recorder_class()
+    recorder = _output_recorder_class()
     attn_cls = type(LlamaModel(_llama_config(num_hidden_layers=1)).layers[0].self_attn)
     return {"attentions": recorder(attn_cls, index=1, layer_name="layers.0")}
 
@@ -173,20 +162,20 @@ def test_bound_recorders_apply_to_that_instance_only() -> None:
     bound, plain = LlamaModel(config), LlamaModel(config)
     class_dict = LlamaModel._can_record_outputs
     class_items = dict(class_dict)
-    _compat.bind_instance_recorders(bound, _only_layer0_attention())
+    _bind_instance_recorders(bound, _only_layer0_attention())
     assert _attentions(bound) == 1
     assert _attentions(plain) == 2
     assert _attentions(LlamaModel(config)) == 2  # built after the binding
     assert LlamaModel._can_record_outputs is class_dict and dict(class_dict) == class_items
-    assert _compat.instance_recorders(plain) is None
-    assert set(_compat.instance_recorders(bound) or {}) == {"attentions"}
-    assert _compat.class_recorders(bound) == class_items
+    assert "_can_record_outputs" not in plain.__dict__
+    assert set(bound.__dict__["_can_record_outputs"]) == {"attentions"}
+    assert dict(type(bound)._can_record_outputs) == class_items
 
 
 def test_bound_recorders_survive_an_exception_in_forward() -> None:
     config = _llama_config()
     bound, plain = LlamaModel(config), LlamaModel(config)
-    _compat.bind_instance_recorders(bound, _only_layer0_attention())
+    _bind_instance_recorders(bound, _only_layer0_attention())
     with pytest.raises((IndexError, RuntimeError)):
         bound(torch.tensor([[1, 2, 99]]), output_attentions=True)  # id 99 outside the vocabulary
     assert _attentions(plain) == 2
@@ -196,7 +185,7 @@ def test_bound_recorders_survive_an_exception_in_forward() -> None:
 def test_bound_recorders_are_per_thread_while_running() -> None:
     config = _llama_config()
     bound, plain = LlamaModel(config), LlamaModel(config)
-    _compat.bind_instance_recorders(bound, _only_layer0_attention())
+    _bind_instance_recorders(bound, _only_layer0_attention())
     barrier = threading.Barrier(2)
     counts: dict[str, list[int]] = {"bound": [], "plain": []}
 
@@ -218,7 +207,7 @@ def test_v4_registry_replacement_keeps_later_registrations() -> None:
     from transformers import modeling_utils
     from transformers.utils import generic
 
-    _compat.bind_instance_recorders(LlamaModel(_llama_config()), {})
+    _bind_instance_recorders(LlamaModel(_llama_config()), {})
     assert generic._CAN_RECORD_REGISTRY is modeling_utils._CAN_RECORD_REGISTRY
     from transformers import MistralConfig, MistralModel
 
@@ -288,7 +277,7 @@ def test_v4_has_no_builtin_conversion_so_registering_needs_no_overwrite() -> Non
     )
 
     qkv = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])
-    assert not _compat.conversion_hooks().builtin_conversion_exists("qwen2_moe")
+    assert not _compat.builtin_conversion_exists("qwen2_moe")
     register_checkpoint_conversion_mapping("qwen2_moe", [qkv])
     try:
         assert get_checkpoint_conversion_mapping("qwen2_moe") == [qkv]

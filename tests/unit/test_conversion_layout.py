@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from modelgraft.conversion._layout import ByteLayout, convert_layouts
 from modelgraft.conversion._plan import Group, run_convert
 from modelgraft.conversion._safetensors import SafetensorsFile, read_ranges_into
-from modelgraft.conversion.ops import Chunk, Concatenate, MergeModulelist, Transpose
+from modelgraft.conversion.ops import Chunk, Concatenate, ConversionOperation, MergeModulelist, Transpose
 from modelgraft.conversion.rules import WeightConverter
 
 
@@ -100,3 +100,29 @@ def test_fragmented_results_are_left_to_the_generic_path(tmp_path):
 def test_mismatched_shapes_are_left_to_the_generic_path_which_reports_them(tmp_path):
     groups = [[torch.randn(2, 3)], [torch.randn(2, 4)]]
     assert convert_layouts([Concatenate(dim=0)], _layouts(tmp_path, groups), 0) is None
+
+
+def test_a_new_operation_declares_its_own_fast_path_in_its_own_class(tmp_path):
+    # An operation outside modelgraft that only reorders its groups: one class, and the byte-layout
+    # path runs it exactly as the generic path runs `convert`.
+    class Swap(ConversionOperation):
+        def convert(self, tensors, context):
+            return list(reversed(tensors))
+
+        def reverse(self, tensors, context):
+            return list(reversed(tensors))
+
+        def convert_layouts(self, layouts):
+            return list(reversed(layouts))
+
+    groups = [[torch.arange(6.0).reshape(2, 3)], [torch.arange(6.0, 12.0).reshape(2, 3)]]
+    ops = [Swap(), Concatenate(dim=0)]
+    layouts = convert_layouts(ops, _layouts(tmp_path, groups), 0)
+    assert layouts is not None
+    got = _materialise(layouts[0][0], torch.float32)
+    want = _expected(ops, groups)[0][0]
+    assert got.shape == want.shape == (4, 3) and got.dtype == want.dtype
+    assert torch.equal(got, want) and torch.equal(got[:2], groups[1][0])
+    # Without the override the operation computes: the generic path takes over.
+    del Swap.convert_layouts
+    assert convert_layouts(ops, _layouts(tmp_path, groups), 0) is None

@@ -17,7 +17,7 @@ from modelgraft.conversion import (
 )
 from modelgraft.conversion._plan import plan_groups, run_convert, run_reverse
 from modelgraft.conversion._safetensors import SafetensorsFile
-from modelgraft.conversion.load import _key_translation
+from modelgraft.conversion.keys import translate_checkpoint_keys
 
 QKV = WeightConverter(["q_proj", "k_proj", "v_proj"], "qkv_proj", [Concatenate(dim=0)])
 S = torch.Size
@@ -122,15 +122,15 @@ def test_key_translation_adds_or_strips_the_base_model_prefix():
     with torch.device("meta"):
         head, base = LlamaForCausalLM(cfg), LlamaModel(cfg)
     ckpt_head = ["model.layers.0.x", "lm_head.weight"]
-    assert _key_translation(base, set(base.state_dict()), ckpt_head) == {
+    assert translate_checkpoint_keys(base, set(base.state_dict()), ckpt_head) == {
         "model.layers.0.x": "layers.0.x",
         "lm_head.weight": "lm_head.weight",
     }
-    assert _key_translation(head, set(head.state_dict()), ["layers.0.x", "lm_head.weight"]) == {
+    assert translate_checkpoint_keys(head, set(head.state_dict()), ["layers.0.x", "lm_head.weight"]) == {
         "layers.0.x": "model.layers.0.x",
         "lm_head.weight": "lm_head.weight",
     }
-    assert _key_translation(head, set(head.state_dict()), ckpt_head) == {k: k for k in ckpt_head}
+    assert translate_checkpoint_keys(head, set(head.state_dict()), ckpt_head) == {k: k for k in ckpt_head}
 
 
 def test_device_for_picks_the_longest_device_map_prefix():

@@ -18,7 +18,8 @@ from modelgraft.conversion import (
     scoped_conversions,
     unregister_checkpoint_conversion_mapping,
 )
-from modelgraft.conversion.rules import _Pattern, lookup_conversions
+from modelgraft.conversion.keys import Pattern
+from modelgraft.conversion.rules import lookup_conversions
 
 QKV = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])
 
@@ -34,27 +35,27 @@ def _clean_registry():
 
 
 def test_pattern_matches_segment_runs_with_prefix_and_suffix():
-    m = _Pattern("q_proj").match("model.layers.0.self_attn.q_proj.weight")
+    m = Pattern("q_proj").match("model.layers.0.self_attn.q_proj.weight")
     assert (m.prefix, m.suffix, m.index) == ("model.layers.0.self_attn", "weight", None)
-    assert _Pattern("q_proj").match("model.layers.0.self_attn.q_proj.bias").suffix == "bias"
+    assert Pattern("q_proj").match("model.layers.0.self_attn.q_proj.bias").suffix == "bias"
 
 
 def test_pattern_never_matches_inside_a_segment():
-    assert _Pattern("v_proj").match("model.layers.0.self_attn.qkv_proj.weight") is None
-    assert _Pattern("proj").match("a.q_proj.weight") is None
+    assert Pattern("v_proj").match("model.layers.0.self_attn.qkv_proj.weight") is None
+    assert Pattern("proj").match("a.q_proj.weight") is None
 
 
 def test_star_pattern_captures_the_expert_index():
-    m = _Pattern("mlp.experts.*.gate_proj.weight").match("model.layers.1.mlp.experts.12.gate_proj.weight")
+    m = Pattern("mlp.experts.*.gate_proj.weight").match("model.layers.1.mlp.experts.12.gate_proj.weight")
     assert (m.prefix, m.suffix, m.index) == ("model.layers.1", "", 12)
     assert (
-        _Pattern("mlp.experts.*.gate_proj.weight").match("model.layers.1.mlp.experts.x.gate_proj.weight")
+        Pattern("mlp.experts.*.gate_proj.weight").match("model.layers.1.mlp.experts.x.gate_proj.weight")
         is None
     )
 
 
 def test_pattern_build_is_the_inverse_of_match():
-    p = _Pattern("experts.*.up_proj")
+    p = Pattern("experts.*.up_proj")
     key = "model.layers.3.mlp.experts.7.up_proj.weight"
     m = p.match(key)
     assert p.build(m.prefix, m.suffix, m.index) == key

@@ -12,6 +12,8 @@ Example:
 
 from __future__ import annotations
 
+from modelgraft import _compat
+from modelgraft.conversion._engine import ENGINE
 from modelgraft.conversion.ops import (
     Chunk,
     Concatenate,
@@ -42,6 +44,7 @@ __all__ = [
     "WeightRenaming",
     "get_checkpoint_conversion_mapping",
     "install",
+    "installed",
     "register_checkpoint_conversion_mapping",
     "scoped_conversions",
     "uninstall",
@@ -51,13 +54,14 @@ __all__ = [
 
 def install() -> None:
     """Wire the conversion engine into transformers' load and save paths (idempotent)."""
-    from modelgraft import _compat
-
-    _compat.conversion_hooks().install()
+    _compat.install_conversion_wiring(ENGINE)
 
 
 def uninstall() -> None:
     """Remove what :func:`install` wired in (idempotent)."""
-    from modelgraft import _compat
+    _compat.uninstall_conversion_wiring()
 
-    _compat.conversion_hooks().uninstall()
+
+def installed() -> bool:
+    """Whether the conversion engine is wired into transformers."""
+    return _compat.conversion_wiring_installed()

@@ -10,8 +10,7 @@ operation, or a layout too fragmented to be worth it, gives ``None``: the tensor
 the operations run as usual.
 
 Example:
-    >>> from modelgraft.conversion.ops import Concatenate, MergeModulelist
-    >>> def rows(name, offset):  # a 2x2 fp32 tensor stored at ``offset`` of file ``name``
+    >>>     >>> def rows(name, offset):  # a 2x2 fp32 tensor stored at ``offset`` of file ``name``
     ...     return ByteLayout((2, 2), 4, ((name, offset, 16),))
     >>> experts = [[rows("f", 0), rows("f", 100)], [rows("f", 200), rows("f", 300)]]  # gate, up
     >>> out = convert_layouts([MergeModulelist(dim=0), Concatenate(dim=1)], experts, min_average_range=0)
@@ -27,10 +26,9 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from modelgraft.conversion.ops import Concatenate, MergeModulelist
-
-__all__ = ["ByteLayout", "convert_layouts"]
+__all__ = ["ByteLayout", "LayoutGroups", "LayoutOperation", "concatenate", "convert_layouts", "stack"]
 
 Range = tuple[str, int, int]  # (path, byte offset, number of bytes)
 # Below this many bytes per range on average, mapping or reading range by range costs more than
@@ -112,28 +110,30 @@ def stack(layouts: Sequence[ByteLayout]) -> ByteLayout | None:
     return ByteLayout((len(layouts), *first.shape), first.itemsize, _joined(ranges))
 
 
+#: Layouts in the nesting of tensor groups: ``[group][index]``.
+LayoutGroups = list[list["ByteLayout"]]
+
+
+class LayoutOperation(Protocol):
+    """What :func:`convert_layouts` needs of an operation (every ``ConversionOperation`` has it)."""
+
+    def convert_layouts(self, layouts: LayoutGroups) -> LayoutGroups | None: ...
+
+
 def convert_layouts(
-    operations: Sequence[object], groups: list[list[ByteLayout]], min_average_range: int = _MIN_AVERAGE_RANGE
+    operations: Sequence[LayoutOperation],
+    groups: list[list[ByteLayout]],
+    min_average_range: int = _MIN_AVERAGE_RANGE,
 ) -> list[list[ByteLayout]] | None:
     """Run ``operations`` on layouts, as ``run_convert`` runs them on tensors; ``None`` when one of
-    them is not a pure rearrangement of rows, or a result has more than a few ranges averaging
+    them has no byte-layout fast path (its ``convert_layouts`` gives ``None``), or a result has more than a few ranges averaging
     under ``min_average_range`` bytes (column-wise concatenation of 2D weights, for example)."""
     for op in operations:
-        if isinstance(op, Concatenate):
-            lengths = {len(g) for g in groups}
-            if len(lengths) != 1:
-                return None
-            joined = [concatenate([g[j] for g in groups], op.dim) for j in range(lengths.pop())]
-            if any(layout is None for layout in joined):
-                return None
-            groups = [joined]  # type: ignore[list-item]
-        elif isinstance(op, MergeModulelist) and op.dim == 0:
-            stacked = [stack(g) if g else None for g in groups]
-            if any(layout is None for layout in stacked):
-                return None
-            groups = [[layout] for layout in stacked]  # type: ignore[list-item]
-        else:
+        # Each operation declares its own fast path (`ConversionOperation.convert_layouts`).
+        converted = op.convert_layouts(groups)
+        if converted is None:
             return None
+        groups = converted
     for group in groups:
         for layout in group:
             if len(layout.ranges) > 4 and layout.nbytes < len(layout.ranges) * min_average_range:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from modelgraft.conversion.keys import bucket_keys
 from modelgraft.conversion.ops import ConversionContext, ShapeGroups, TensorGroups
 from modelgraft.conversion.rules import WeightConverter
 from modelgraft.errors import ConversionShapeError, IrreversibleConversionError, MissingSourceKeyError
@@ -54,20 +55,6 @@ class Plan:
     unsourced_targets: list[tuple[WeightConverter, str]] = field(default_factory=list)
 
 
-def _bucket(patterns, keys: Iterable[str]) -> dict[tuple[str, str], list[dict[int | None, str]]]:
-    """``(prefix, suffix) -> [per pattern: {index: key}]`` for every key a pattern matches."""
-    buckets: dict[tuple[str, str], list[dict[int | None, str]]] = {}
-    for key in keys:
-        for i, pattern in enumerate(patterns):
-            m = pattern.match(key)
-            if m is None:
-                continue
-            slots = buckets.setdefault((m.prefix, m.suffix), [{} for _ in patterns])
-            slots[i][m.index] = key
-            break  # a key belongs to the first pattern that matches it
-    return buckets
-
-
 def _ordered(slot: dict[int | None, str]) -> tuple[str, ...]:
     return tuple(slot[i] for i in sorted(slot, key=lambda i: -1 if i is None else i))
 
@@ -91,10 +78,10 @@ def plan_groups(
     target_keys = list(target_keys)
     taken: set[str] = set()
     for conv in converters:
-        tgt_buckets = _bucket(conv._targets, (k for k in target_keys if k not in taken))
+        tgt_buckets = bucket_keys(conv._targets, (k for k in target_keys if k not in taken))
         if not tgt_buckets:
             continue
-        src_buckets = _bucket(conv._sources, source_shapes)
+        src_buckets = bucket_keys(conv._sources, source_shapes)
         for (prefix, suffix), tslots in tgt_buckets.items():
             if not all(tslots):
                 continue  # not every target pattern exists here: not this converter's layout

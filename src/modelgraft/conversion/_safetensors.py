@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
+from safetensors import safe_open
 
 from modelgraft._forksafe import ForkSafeLock
 
@@ -124,8 +125,6 @@ class SafetensorsFile:
         """A new CPU tensor holding ``key``."""
         dtype = self.dtype(key)
         if dtype is None:
-            from safetensors import safe_open
-
             with safe_open(self.path, framework="pt") as f:
                 return f.get_tensor(key)
         out = torch.empty(self.shape(key), dtype=dtype)

@@ -6,159 +6,30 @@ converted parameter is randomly initialised first. Source tensors are read with 
 ``safe_open`` one group at a time, so the extra memory is bounded by the largest group.
 
 Example:
-    >>> from modelgraft.conversion.load import resolve_scopes
     >>> import torch
-    >>> resolve_scopes(torch.nn.Linear(1, 1))
-    []
+    >>> apply_load_conversions(torch.nn.Linear(1, 1), None, set(), set()) is None
+    True
 """
 
 from __future__ import annotations
 
-import contextvars
-import json
-import os
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from modelgraft._forksafe import ForkSafeLock
 from modelgraft.conversion._checks import check_sources, expected_sources
 from modelgraft.conversion._filemap import map_ranges
 from modelgraft.conversion._layout import ByteLayout, convert_layouts
 from modelgraft.conversion._plan import Group, Plan, plan_groups, run_convert
 from modelgraft.conversion._safetensors import read_ranges_into
 from modelgraft.conversion._sources import FileSource, StateDictSource, TensorSource
-from modelgraft.conversion.rules import Conversions, has_any_conversions, lookup_conversions
+from modelgraft.conversion.keys import translate_checkpoint_keys
+from modelgraft.conversion.originals import cached_original_shapes
+from modelgraft.conversion.scopes import STATE_ATTR, ConversionState, Scope, resolve_scopes, scope_for
 from modelgraft.errors import ConversionError
 from modelgraft.report import ConversionRecord, _report_for
 
-__all__ = [
-    "ConversionState",
-    "Scope",
-    "apply_load_conversions",
-    "device_for_map",
-    "remember_conversions",
-    "resolve_scopes",
-]
-
-STATE_ATTR = "_modelgraft_conversion_state"
-
-
-@dataclass(frozen=True)
-class Scope:
-    """A (sub)model with a conversion entry: its module path, the entry's key and converters."""
-
-    path: str
-    key: str
-    converters: Conversions
-    class_name: str
-    model_type: str | None
-
-    def owns(self, param: str) -> bool:
-        return not self.path or param.startswith(self.path + ".")
-
-    def local(self, param: str) -> str:
-        return param[len(self.path) + 1 :] if self.path else param
-
-    def glob(self, local: str) -> str:
-        return f"{self.path}.{local}" if self.path else local
-
-
-@dataclass
-class ConversionState:
-    """What a model needs to write its original layout: its scopes and the groups that ran on load."""
-
-    scopes: list[Scope]
-    groups: list[Group] = field(default_factory=list)
-    loaded: bool = False
-
-
-def _is_pretrained(module: torch.nn.Module) -> bool:
-    return hasattr(module, "config") and hasattr(module, "base_model_prefix")
-
-
-def resolve_scopes(model: torch.nn.Module) -> list[Scope]:
-    """Find the conversion entry of the model and each sub-model (class name before ``model_type``).
-
-    A sub-model of the same ``model_type`` as an enclosing scope (``XModel`` inside ``XForY``) is
-    covered by it unless it has an entry under its own class name; a sub-model of another type
-    (the text or vision part of a composite model) gets its own scope, owning the keys under it.
-    """
-    if not has_any_conversions():
-        return []
-    scopes: list[Scope] = []
-    for path, module in model.named_modules():
-        if not _is_pretrained(module):
-            continue
-        model_type = getattr(module.config, "model_type", None)
-        found = lookup_conversions(type(module).__name__, model_type)
-        if found is None:
-            continue
-        key, converters = found
-        enclosing = [s for s in scopes if not s.path or path.startswith(s.path + ".")]
-        # `XModel` inside `XForY` is the same model: the entry chosen for the outer one covers it,
-        # unless the inner one has an entry under its own class name.
-        same_model = any(s.model_type == model_type for s in enclosing) and key != type(module).__name__
-        if same_model or (enclosing and enclosing[-1].converters == converters):
-            continue
-        scopes.append(Scope(path, key, converters, type(module).__name__, model_type))
-    return scopes
-
-
-def remember_conversions(model: torch.nn.Module) -> ConversionState | None:
-    """Attach the conversion entries visible now to ``model``, so that it saves its original
-    layout later, after a ``patched(...)`` block has ended (a no-op when no entry applies)."""
-    scopes = resolve_scopes(model)
-    if not scopes:
-        return None
-    state = model.__dict__.get(STATE_ATTR)
-    if state is None or state.scopes != scopes:
-        state = ConversionState(scopes=scopes, groups=list(state.groups) if state is not None else [])
-        object.__setattr__(model, STATE_ATTR, state)
-    return state
-
-
-def scope_for(scopes: Sequence[Scope], param: str) -> Scope | None:
-    """The deepest scope owning ``param``."""
-    best = None
-    for s in scopes:
-        if s.owns(param) and (best is None or len(s.path) > len(best.path)):
-            best = s
-    return best
-
-
-# ---- checkpoint files ---------------------------------------------------------------------------
-def files_in_folder(folder: str | os.PathLike) -> list[str]:
-    """The safetensors files of a checkpoint folder (sharded through its index json, or single)."""
-    folder = os.fspath(folder)
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as fh:
-            shards = sorted(set(json.load(fh)["weight_map"].values()))
-        return [os.path.join(folder, s) for s in shards]
-    single = os.path.join(folder, "model.safetensors")
-    return [single] if os.path.isfile(single) else []
-
-
-def _key_translation(
-    model: torch.nn.Module, model_keys: set[str], ckpt_keys: Iterable[str]
-) -> dict[str, str]:
-    """Map checkpoint keys into the model's key space (adding or removing ``base_model_prefix``)."""
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    ckpt_keys = list(ckpt_keys)
-    if not prefix:
-        return {k: k for k in ckpt_keys}
-    dotted = prefix + "."
-    model_has = any(k.startswith(dotted) for k in model_keys)
-    ckpt_has = any(k.startswith(dotted) for k in ckpt_keys)
-    if ckpt_has and not model_has:  # a base model loaded from a checkpoint with a head
-        return {k: k[len(dotted) :] if k.startswith(dotted) else k for k in ckpt_keys}
-    if model_has and not ckpt_has:  # a model with a head loaded from a base checkpoint
-        roots = set(model._modules)
-        return {k: k if k.split(".", 1)[0] in roots else dotted + k for k in ckpt_keys}
-    return {k: k for k in ckpt_keys}
+__all__ = ["apply_load_conversions", "device_for_map"]
 
 
 def device_for_map(device_map: Mapping[str, object] | None) -> Callable[[str], torch.device | str | int]:
@@ -252,7 +123,7 @@ def apply_load_conversions(
     ckpt_keys = list(source.keys())
     renamed = {k: rename(k) for k in ckpt_keys} if rename is not None else {k: k for k in ckpt_keys}
     to_model = {}
-    by_renamed = _key_translation(model, set(params), renamed.values())
+    by_renamed = translate_checkpoint_keys(model, set(params), renamed.values())
     for ckpt_key, new_key in renamed.items():
         to_model[ckpt_key] = by_renamed[new_key]
     to_ckpt = {m: c for c, m in to_model.items()}
@@ -295,45 +166,6 @@ def apply_load_conversions(
     return state
 
 
-# (model class, config as JSON) -> the original model's shapes, for repeated loads of one model.
-_ORIGINALS: OrderedDict[tuple[type, str], dict[str, torch.Size]] = OrderedDict()
-_ORIGINALS_KEPT = 8
-_originals_lock = ForkSafeLock()
-
-
-def _original_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
-    """Keys and shapes of the original (un-grafted) model: the meta build that saving uses.
-
-    It runs in an empty context (no load in progress, no ``patched`` block) with the global
-    registry hidden, so the sub-models a composite model builds through ``from_config`` while it
-    is constructed are original too, instead of joining this load's swap. The build depends only
-    on the class and the config, so the last few are kept.
-    """
-    from modelgraft.conversion.save import original_shapes  # save builds on this module
-    from modelgraft.hooks import unpatched
-
-    try:
-        key: tuple[type, str] | None = (type(model), model.config.to_json_string())
-    except (AttributeError, TypeError, ValueError):  # no config, or one JSON cannot hold: not kept
-        key = None
-    with _originals_lock:
-        found = _ORIGINALS.get(key) if key is not None else None
-    if found is not None:
-        return found
-
-    def build() -> dict[str, torch.Size]:
-        with unpatched():
-            return original_shapes(model)
-
-    shapes = contextvars.Context().run(build)
-    if key is not None:
-        with _originals_lock:
-            _ORIGINALS[key] = shapes
-            while len(_ORIGINALS) > _ORIGINALS_KEPT:
-                _ORIGINALS.popitem(last=False)
-    return shapes
-
-
 def _check_all(
     model: torch.nn.Module,
     plans: Sequence[tuple[Scope, Plan, list[Group]]],
@@ -344,7 +176,7 @@ def _check_all(
     """Check each group's sources against what the original model expects (see ``_checks``)."""
     if not any(groups for _, _, groups in plans):
         return
-    original = _original_shapes(model)
+    original = cached_original_shapes(model)
     model_name = f"`{type(model).__name__}`"
     for scope, _plan, groups in plans:
         # The same converters planned over the original model's own keys: where they find the

@@ -9,7 +9,10 @@ pattern has no ``*``). ``q_proj``, ``k_proj``, ``v_proj`` therefore arrive as
 
 ``convert`` goes from the checkpoint layout to the grafted layout; ``reverse`` undoes it and is
 given, through :class:`ConversionContext`, the exact shapes ``convert`` received, so unequal
-splits (grouped-query attention: q, k and v of different sizes) reverse exactly.
+splits (grouped-query attention: q, k and v of different sizes) reverse exactly. An operation
+that only moves whole byte ranges also declares its byte-layout fast path
+(:meth:`ConversionOperation.convert_layouts`), so the loader can map its result straight from the
+checkpoint file; a new operation is one class here (or in user code), nothing else.
 
 Example:
     >>> import torch
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from modelgraft.conversion._layout import LayoutGroups, concatenate, stack
 from modelgraft.errors import ConversionError, IrreversibleConversionError
 
 __all__ = [
@@ -98,6 +102,20 @@ class ConversionOperation:
             "`model.save_pretrained(path, save_original_format=False)`."
         )
 
+    def convert_layouts(self, layouts: LayoutGroups) -> LayoutGroups | None:
+        """The byte-layout fast path: :meth:`convert` run on descriptions of where each source's
+        bytes lie in the checkpoint files (:class:`~modelgraft.conversion._layout.ByteLayout`).
+
+        An operation that only moves whole byte ranges (no arithmetic) overrides this, so that the
+        loader maps or reads its result straight from the file. The default, ``None``, means the
+        operation computes: its sources are read and :meth:`convert` runs on them.
+
+        Example:
+            >>> Transpose(dim0=0, dim1=1).convert_layouts([]) is None
+            True
+        """
+        return None
+
     @property
     def is_reversible(self) -> bool:
         """Whether this operation overrides :meth:`reverse`."""
@@ -144,6 +162,14 @@ class Concatenate(ConversionOperation):
             for t in group:
                 _check_dim(t, self.dim, "Concatenate")
         return [[torch.cat([group[j] for group in tensors], dim=self.dim) for j in range(n)]]
+
+    def convert_layouts(self, layouts: LayoutGroups) -> LayoutGroups | None:
+        """The groups joined range by range (``None`` when their lengths or shapes disagree)."""
+        lengths = {len(group) for group in layouts}
+        if len(lengths) != 1:
+            return None
+        joined = [concatenate([group[j] for group in layouts], self.dim) for j in range(lengths.pop())]
+        return None if any(layout is None for layout in joined) else [joined]  # type: ignore[list-item]
 
     def reverse(self, tensors: TensorGroups, context: ConversionContext) -> TensorGroups:
         if context.source_shapes is None:
@@ -231,6 +257,13 @@ class MergeModulelist(ConversionOperation):
 
     def convert(self, tensors: TensorGroups, context: ConversionContext) -> TensorGroups:
         return [[torch.stack(group, dim=self.dim)] for group in tensors]
+
+    def convert_layouts(self, layouts: LayoutGroups) -> LayoutGroups | None:
+        """Along dim 0 each group's sources one after another; other dims interleave: ``None``."""
+        if self.dim != 0:
+            return None
+        stacked = [stack(group) if group else None for group in layouts]
+        return None if any(layout is None for layout in stacked) else [[layout] for layout in stacked]  # type: ignore[misc]
 
     def reverse(self, tensors: TensorGroups, context: ConversionContext) -> TensorGroups:
         return SplitModulelist(self.dim).convert(tensors, context)

@@ -3,7 +3,8 @@
 A pattern is a dotted run of key segments; ``*`` stands for one index segment (an expert
 number). ``q_proj`` matches ``model.layers.0.self_attn.q_proj.weight`` (and ``.bias``): the part
 before the run is the *prefix*, the part after it the *suffix*, and the converter writes
-``prefix + target_pattern + suffix``.
+``prefix + target_pattern + suffix``. The pattern syntax and the matching live in
+:mod:`modelgraft.conversion.keys`.
 
 Lookup, for a model and each of its sub-models: the entry registered under the class name wins
 over the one under ``model_type``, and the chosen entry is the whole mapping for that (sub)model.
@@ -24,12 +25,11 @@ Example:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
-from modelgraft import registry
+from modelgraft import _compat, registry
+from modelgraft.conversion.keys import Pattern, as_patterns
 from modelgraft.conversion.ops import ConversionOperation
 from modelgraft.errors import ConversionError
 
@@ -44,65 +44,6 @@ __all__ = [
     "unregister_checkpoint_conversion_mapping",
     "validate_conversions",
 ]
-
-_REGEX_CHARS = re.compile(r"[\\^$()\[\]{}+?|]")
-
-
-@dataclass(frozen=True)
-class PatternMatch:
-    """Where a pattern matched a key: ``prefix.<pattern>.suffix``, and the ``*`` index if any."""
-
-    prefix: str
-    suffix: str
-    index: int | None
-
-
-class _Pattern:
-    """One compiled source or target pattern."""
-
-    __slots__ = ("has_star", "regex", "text")
-
-    def __init__(self, text: str) -> None:
-        segments = text.split(".")
-        if not text or any(not s for s in segments):
-            raise ConversionError(
-                f"Pattern `{text}` is not a dotted run of key segments (for example `q_proj` or "
-                "`mlp.experts.*.gate_proj.weight`)."
-            )
-        if _REGEX_CHARS.search(text) or any("*" in seg and seg != "*" for seg in segments):
-            raise ConversionError(
-                f"Pattern `{text}` looks like a regular expression. modelgraft patterns are dotted key segments, "
-                "with `*` standing for one whole index segment: write `mlp.experts.*.w1.weight`, not "
-                "`\\.experts.*.w1.weight`."
-            )
-        if segments.count("*") > 1:
-            raise ConversionError(
-                f"Pattern `{text}` has more than one `*`; one index per pattern is supported."
-            )
-        self.text = text
-        self.has_star = "*" in segments
-        body = r"\.".join(r"(?P<idx>\d+)" if s == "*" else re.escape(s) for s in segments)
-        # Anchor on segment boundaries so that `v_proj` never matches inside `qkv_proj`.
-        self.regex = re.compile(rf"(?:^|\.)(?P<body>{body})(?=\.|$)")
-
-    def match(self, key: str) -> PatternMatch | None:
-        m = self.regex.search(key)
-        if m is None:
-            return None
-        start, end = m.span("body")
-        idx = m.group("idx") if self.has_star else None
-        return PatternMatch(key[: max(start - 1, 0)], key[end + 1 :], None if idx is None else int(idx))
-
-    def build(self, prefix: str, suffix: str, index: int | None = None) -> str:
-        body = self.text if index is None else self.text.replace("*", str(index))
-        return ".".join(p for p in (prefix, body, suffix) if p)
-
-
-def _as_patterns(value: str | Sequence[str], what: str) -> tuple[str, ...]:
-    items = (value,) if isinstance(value, str) else tuple(value)
-    if not items or not all(isinstance(p, str) for p in items):
-        raise ConversionError(f"`{what}` must be a non-empty string or list of strings; received {value!r}.")
-    return items
 
 
 class WeightConverter:
@@ -128,8 +69,8 @@ class WeightConverter:
         target_patterns: str | Sequence[str],
         operations: Sequence[ConversionOperation] = (),
     ) -> None:
-        sources = _as_patterns(source_patterns, "source_patterns")
-        targets = _as_patterns(target_patterns, "target_patterns")
+        sources = as_patterns(source_patterns, "source_patterns")
+        targets = as_patterns(target_patterns, "target_patterns")
         ops = tuple(operations)
         for op in ops:
             if not isinstance(op, ConversionOperation):
@@ -146,8 +87,8 @@ class WeightConverter:
         object.__setattr__(self, "source_patterns", sources)
         object.__setattr__(self, "target_patterns", targets)
         object.__setattr__(self, "operations", ops)
-        object.__setattr__(self, "_sources", tuple(_Pattern(p) for p in sources))
-        object.__setattr__(self, "_targets", tuple(_Pattern(p) for p in targets))
+        object.__setattr__(self, "_sources", tuple(Pattern(p) for p in sources))
+        object.__setattr__(self, "_targets", tuple(Pattern(p) for p in targets))
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"`{type(self).__name__}` is immutable; build a new one instead.")
@@ -243,13 +184,6 @@ def validate_conversions(
     return {k: _validate_entry(k, v) for k, v in (conversions or {}).items()}
 
 
-def _builtin_has(key: str) -> bool:
-    """Whether the installed transformers ships its own conversion for ``key``."""
-    from modelgraft import _compat
-
-    return _compat.conversion_hooks().builtin_conversion_exists(key)
-
-
 def register_checkpoint_conversion_mapping(
     model_type_or_class_name: str, mapping: Sequence[WeightConverter], overwrite: bool = False
 ) -> None:
@@ -272,7 +206,11 @@ def register_checkpoint_conversion_mapping(
     """
     items = _validate_entry(model_type_or_class_name, mapping)
     key = model_type_or_class_name
-    if not overwrite and _builtin_has(key) and key not in registry._global_entries(registry.CONVERSIONS):
+    if (
+        not overwrite
+        and _compat.builtin_conversion_exists(key)
+        and key not in registry._global_entries(registry.CONVERSIONS)
+    ):
         raise _exists(key, "the installed transformers")
 
     def duplicate(key: str, _existing: Conversions) -> ConversionError:

@@ -19,41 +19,19 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import copy
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from modelgraft import _compat
 from modelgraft.conversion._plan import Group, plan_groups, run_reverse
-from modelgraft.conversion.load import STATE_ATTR, ConversionState, Scope, resolve_scopes, scope_for
+from modelgraft.conversion.originals import original_shapes
+from modelgraft.conversion.scopes import STATE_ATTR, ConversionState, Scope, resolve_scopes, scope_for
 from modelgraft.report import ConversionRecord, _report_for
 
-__all__ = ["GRAFT_ATTR", "original_shapes", "remember_graft", "reverse_state_dict"]
+__all__ = ["GRAFT_ATTR", "remember_graft", "reverse_state_dict"]
 
 #: The conversion groups of each ``graft_model`` call on a model, oldest first.
 GRAFT_ATTR = "_modelgraft_graft_stages"
-
-
-@contextlib.contextmanager
-def _originals_bound() -> Iterator[None]:
-    """Hold the core's construction lock (no other thread's class swap goes live meanwhile) and
-    bind the original classes back, in case the save runs inside an ``apply_patches()`` block."""
-    try:
-        from modelgraft import swap
-    except ImportError:  # the core patching module is optional for this engine
-        yield
-        return
-    with swap.LOCK, swap.suspended():
-        yield
-
-
-def original_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
-    """Keys and shapes of the original (unpatched) model class, built on the meta device."""
-    with _originals_bound(), _compat.meta_device():
-        original = type(model)(copy.deepcopy(model.config))
-    return {k: v.shape for k, v in original.state_dict().items()}
 
 
 def _state(model: torch.nn.Module) -> ConversionState | None:

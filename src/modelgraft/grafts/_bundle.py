@@ -196,18 +196,15 @@ _META_LOCK = ForkSafeLock()
 @functools.cache
 def meta_model(model_type: str) -> nn.Module:
     """The base model of ``model_type`` built on the meta device from its tiny config (cached)."""
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING
-
     from modelgraft.testing import tiny_config
 
     config = tiny_config(model_type)
-    try:
-        model_class = MODEL_MAPPING[type(config)]
-    except KeyError:
+    model_class = _compat.auto_model_class("base", config)
+    if model_class is None:
         raise UnsupportedFamilyError(
             f"`{model_type}` has no base model class in transformers' `MODEL_MAPPING`; "
             "grafts support model types that `AutoModel` can build."
-        ) from None
+        )
     with _META_LOCK, _compat.meta_device():
         return model_class(config)
 

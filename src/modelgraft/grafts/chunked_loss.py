@@ -48,6 +48,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules import module as _torch_module
 
+from modelgraft import _compat
 from modelgraft._forksafe import ForkSafeLock
 from modelgraft.errors import UnsupportedFamilyError
 from modelgraft.grafts._bundle import Graft, _Part, original_class
@@ -181,9 +182,7 @@ def _why_plain(model: nn.Module, spec: HeadSpec) -> str | None:
 
 
 def _causal_lm_loss() -> Any:
-    from transformers.loss.loss_utils import LOSS_MAPPING
-
-    return LOSS_MAPPING["ForCausalLM"]
+    return _compat.causal_lm_loss()
 
 
 _WARNED: set[tuple[type, str]] = set()
@@ -449,18 +448,15 @@ def _qualname(cls: type) -> str:
 
 
 def _part(model_type: str, chunk_size: int | None = None) -> _Part:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
     from modelgraft.testing import tiny_config
 
     config = tiny_config(model_type)
-    try:
-        causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    except KeyError:
+    causal_lm = _compat.auto_model_class("causal_lm", config)
+    if causal_lm is None:
         raise UnsupportedFamilyError(
             f"`{model_type}` has no causal-LM class in transformers' `MODEL_FOR_CAUSAL_LM_MAPPING`; the chunked "
             f"loss grafts `*ForCausalLM` models. Families known to work: {', '.join(CHUNKED_LM_LOSS_FAMILIES)}."
-        ) from None
+        )
     return _Part({causal_lm.__name__: chunked_lm_loss_class(causal_lm, chunk_size)})
 
 

@@ -180,11 +180,7 @@ class FamilyGate:
 
 
 def _default_apply_gate() -> object:
-    try:
-        from transformers.integrations.moe import _default_apply_gate as found
-    except ImportError:  # older transformers: no pluggable gate, only the default one exists
-        return None
-    return found
+    return _compat.default_apply_gate()  # None on older transformers: only the default gate exists
 
 
 def _family_gate(experts: nn.Module, layout: ExpertLayout) -> FamilyGate | None:

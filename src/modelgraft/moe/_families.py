@@ -11,14 +11,12 @@ Example:
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 from functools import lru_cache
 from typing import Any
 
 import torch
-import transformers
 from torch import nn
 
 from modelgraft import _compat
@@ -120,14 +118,9 @@ def moe_model_types() -> tuple[str, ...]:
     For a multimodal family the text model type is used (``qwen3_vl_moe_text``), since the
     routing lives in the language model.
     """
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
-
-    by_module: dict[str, list[str]] = {}
-    for model_type in CONFIG_MAPPING_NAMES:
-        by_module.setdefault(model_type_to_module_name(model_type), []).append(model_type)
-    root = os.path.dirname(transformers.models.__file__)
+    by_module = _compat.model_types_by_module()
     found: list[str] = []
-    for path in sorted(glob.glob(os.path.join(root, "*", "modeling_*.py"))):
+    for path in _compat.modeling_files():
         with open(path, encoding="utf-8") as handle:
             source = handle.read()
         if not (
@@ -178,10 +171,8 @@ def build_tiny(model_type: str, seed: int = 0, **overrides: Any) -> nn.Module:
 def _builder(config: Any) -> Any:
     from transformers import AutoModel, AutoModelForCausalLM
 
-    for auto in (AutoModelForCausalLM, AutoModel):
-        try:
-            auto._model_mapping[type(config)]
-        except KeyError:
+    for kind, auto in (("causal_lm", AutoModelForCausalLM), ("base", AutoModel)):
+        if _compat.auto_model_class(kind, config) is None:
             continue
         return lambda: auto.from_config(config)
     cls = _model_class(config)

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from modelgraft.errors import RoutingError
+from modelgraft.moe.routing import moe_layers
 from modelgraft.moe.trace import RoutingTrace, spread_fill
 
 __all__ = ["from_sglang", "from_vllm", "join_routes", "layout_requests"]
@@ -119,8 +120,6 @@ def layout_requests(
 def _model_info(model: nn.Module | None) -> tuple[list[int] | None, int | None, int | None, str | None]:
     if model is None:
         return None, None, None, None
-    from modelgraft.moe.routing import moe_layers
-
     layers = moe_layers(model)
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -356,8 +355,6 @@ def from_sglang(
     """
     layers = kwargs.get("num_hidden_layers")
     if model is not None:
-        from modelgraft.moe.routing import moe_layers
-
         top_k = top_k or moe_layers(model)[0].top_k
         config = model.config.get_text_config() if hasattr(model, "config") else None
         layers = layers or getattr(config, "num_hidden_layers", None)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from modelgraft.errors import RoutingError
@@ -218,8 +219,6 @@ class RoutingTrace:
         Raises:
             RoutingError: the file is not a routing trace or any of the above does not hold.
         """
-        from safetensors import SafetensorError, safe_open
-
         try:
             with safe_open(os.fspath(path), framework="pt") as handle:
                 meta = handle.metadata() or {}

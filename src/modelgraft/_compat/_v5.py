@@ -8,6 +8,9 @@ enough to make recorders per instance.
 Construction: ``from_pretrained`` and ``_from_config`` enter transformers' own ``apply_patches()``
 (a global of ``transformers.modeling_utils``) right around ``cls(config)``.
 
+The attributes replaced here are the ``construction`` and ``recorders`` sites of
+:mod:`modelgraft._compat.wraps`.
+
 Example:
     >>> from modelgraft import _compat
     >>> _compat.IS_V5 or True  # this module is only imported on 5.x
@@ -20,32 +23,14 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 
-from modelgraft._wrapping import Wrappers
+from modelgraft._compat.wraps import WrapGroup
 
-RECORD_REGISTRY_MODULE = "transformers.utils.output_capturing"
 _ATTR = "_can_record_outputs"
-_lookup_wrappers = Wrappers()
-_step_wrappers = Wrappers()
-
-
-def output_recorder_class() -> type:
-    """transformers' ``OutputRecorder``."""
-    from transformers.utils.output_capturing import OutputRecorder
-
-    return OutputRecorder
-
-
-def _registry() -> Any:
-    from transformers.utils import output_capturing
-
-    return output_capturing._CAN_RECORD_REGISTRY
-
-
-def recorder_lookup_installed() -> bool:
-    """See :func:`modelgraft._compat.recorder_lookup_installed`."""
-    return _lookup_wrappers.installed
+_lookup_wrappers = WrapGroup("recorders")
+_step_wrappers = WrapGroup("construction")
 
 
 def _wrap_registry_get(class_get: Callable[..., dict]) -> Callable[..., dict]:
@@ -62,7 +47,7 @@ def install_recorder_lookup() -> None:
     The registry is a ``dict`` subclass whose ``get(model)`` receives the instance; shadowing the
     bound ``get`` on that one object (an instance attribute) changes no class and is easy to undo.
     """
-    _lookup_wrappers.install([(_registry(), "get", _wrap_registry_get)])
+    _lookup_wrappers.install({"get": _wrap_registry_get})
 
 
 def uninstall_recorder_lookup() -> None:
@@ -72,12 +57,6 @@ def uninstall_recorder_lookup() -> None:
 
 def track_instance_recorders(model: nn.Module) -> None:
     """Nothing to do: the 5.x lookup receives the instance."""
-
-
-def _modeling_utils() -> Any:
-    from transformers import modeling_utils
-
-    return modeling_utils
 
 
 def construction_step_installed() -> bool:
@@ -101,34 +80,12 @@ def install_construction_step(step: Callable[[], AbstractContextManager[Any]]) -
 
         return construction_site
 
-    _step_wrappers.install([(_modeling_utils(), "apply_patches", wrap)])
+    _step_wrappers.install({"apply_patches": wrap})
 
 
 def uninstall_construction_step() -> None:
     """See :func:`modelgraft._compat.uninstall_construction_step`."""
     _step_wrappers.uninstall()
-
-
-def initialize_missing_keys(model: nn.Module, missing: set[str]) -> None:
-    """See :func:`modelgraft._compat.initialize_missing_keys`.
-
-    5.x initialisers (``transformers.initialization``) skip any tensor flagged
-    ``_is_hf_initialized``, so flagging every tensor that is not missing protects it even when
-    a module-level ``_init_weights`` touches it.
-    """
-    # Modules owning a missing tensor, and their ancestors, must run their init again.
-    to_init: set[str] = set()
-    for key, tensor in model.state_dict(keep_vars=True).items():
-        if key in missing:
-            tensor.__dict__.pop("_is_hf_initialized", None)
-            parts = key.split(".")[:-1]
-            to_init.update(".".join(parts[:i]) for i in range(len(parts) + 1))
-        else:
-            tensor._is_hf_initialized = True
-    for name, module in model.named_modules():
-        if name in to_init:
-            module.__dict__.pop("_is_hf_initialized", None)
-    model._initialize_missing_keys(False)
 
 
 def moe_router_candidates(modules: Mapping[str, nn.Module]) -> Iterator[tuple[str, nn.Module, nn.Module]]:
@@ -148,6 +105,4 @@ def defines_layout_moe(source: str) -> bool:
 
 def meta_device() -> AbstractContextManager[Any]:
     """See :func:`modelgraft._compat.meta_device`."""
-    import torch
-
     return torch.device("meta")

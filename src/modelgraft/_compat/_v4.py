@@ -16,6 +16,9 @@ MoE: in 4.57 the router of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (and others) is 
 ``nn.Linear`` named ``gate`` inside the sparse-MoE block, whose forward does the softmax and
 top-k; the experts are an ``nn.ModuleList`` of per-expert MLPs.
 
+The attributes replaced here are the ``construction`` and ``recorders`` sites of
+:mod:`modelgraft._compat.wraps`.
+
 Example:
     >>> from modelgraft import _compat
     >>> _compat.TRANSFORMERS_MAJOR in (4, 5)
@@ -33,26 +36,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from modelgraft._compat.wraps import WrapGroup
 from modelgraft._forksafe import ForkSafeLock
-from modelgraft._wrapping import Wrappers
 
-RECORD_REGISTRY_MODULE = "transformers.utils.generic"
 _ATTR = "_can_record_outputs"
 _HOOKS_ATTR = "_modelgraft_recorder_hooks"
 _ROUTER_NAMES = ("gate", "router")
 _ROUTER_CLASS = re.compile(r"(Router|Gate|Gating)$")
 _LOCK = ForkSafeLock()
-_step_wrappers = Wrappers()
+_step_wrappers = WrapGroup("construction")
+_lookup_wrappers = WrapGroup("recorders")
 
 # Bound models whose forward is running, innermost last (per thread and per asyncio task).
 _RUNNING: ContextVar[tuple[nn.Module, ...]] = ContextVar("modelgraft_running_models", default=())
-
-
-def output_recorder_class() -> type:
-    """transformers' ``OutputRecorder``."""
-    from transformers.utils.generic import OutputRecorder
-
-    return OutputRecorder
 
 
 class _InstanceAwareRegistry(dict):
@@ -68,45 +64,32 @@ class _InstanceAwareRegistry(dict):
         return super().get(key, default)
 
 
-def _holders() -> list[Any]:
-    """The modules whose global ``_CAN_RECORD_REGISTRY`` transformers reads or writes."""
-    import transformers.modeling_utils as modeling_utils
-    from transformers.utils import generic
-
-    return [generic, modeling_utils]
-
-
-def recorder_lookup_installed() -> bool:
-    """See :func:`modelgraft._compat.recorder_lookup_installed`."""
-    return isinstance(_holders()[0]._CAN_RECORD_REGISTRY, _InstanceAwareRegistry)
-
-
 def install_recorder_lookup() -> None:
     """See :func:`modelgraft._compat.install_recorder_lookup`.
 
     The registry is a plain ``dict`` (its class cannot change in place), so both modules that
-    hold it get one replacement object with the same items.
+    hold it (``transformers.utils.generic`` and ``transformers.modeling_utils``) get one
+    replacement object with the same items. On removal both get one plain ``dict`` with the items
+    the replacement holds then (models built meanwhile registered theirs in it).
     """
-    with _LOCK:
-        holders = _holders()
-        current = holders[0]._CAN_RECORD_REGISTRY
-        if isinstance(current, _InstanceAwareRegistry):
-            return
-        replacement = _InstanceAwareRegistry(current)
-        for module in holders:
-            module._CAN_RECORD_REGISTRY = replacement
+    shared: dict[str, dict] = {}
+
+    def replace(current: dict) -> dict:
+        if "replacement" not in shared:
+            shared["replacement"] = _InstanceAwareRegistry(current)
+        return shared["replacement"]
+
+    def restore(replacement: dict) -> dict:
+        if "plain" not in shared:
+            shared["plain"] = dict(replacement)
+        return shared["plain"]
+
+    _lookup_wrappers.install({"_CAN_RECORD_REGISTRY": (replace, restore)})
 
 
 def uninstall_recorder_lookup() -> None:
     """See :func:`modelgraft._compat.uninstall_recorder_lookup`."""
-    with _LOCK:
-        holders = _holders()
-        current = holders[0]._CAN_RECORD_REGISTRY
-        if not isinstance(current, _InstanceAwareRegistry):
-            return
-        plain = dict(current)  # keeps what models built meanwhile registered
-        for module in holders:
-            module._CAN_RECORD_REGISTRY = plain
+    _lookup_wrappers.uninstall()
 
 
 def _push(model: nn.Module, args: Any) -> None:
@@ -133,12 +116,6 @@ def track_instance_recorders(model: nn.Module) -> None:
                 model.register_forward_pre_hook(_push),
                 model.register_forward_hook(_pop, always_call=True),
             )
-
-
-def _base() -> Any:
-    from transformers.modeling_utils import PreTrainedModel
-
-    return PreTrainedModel
 
 
 def construction_step_installed() -> bool:
@@ -168,10 +145,7 @@ def install_construction_step(step: Callable[[], AbstractContextManager[Any]]) -
 
         return _from_config
 
-    base = _base()
-    _step_wrappers.install(
-        [(base, "get_init_context", wrap_init_context), (base, "_from_config", wrap_from_config)]
-    )
+    _step_wrappers.install({"get_init_context": wrap_init_context, "_from_config": wrap_from_config})
 
 
 def uninstall_construction_step() -> None:
@@ -181,23 +155,6 @@ def uninstall_construction_step() -> None:
     ``_from_config`` first).
     """
     _step_wrappers.uninstall()
-
-
-def initialize_missing_keys(model: nn.Module, missing: set[str]) -> None:
-    """See :func:`modelgraft._compat.initialize_missing_keys`.
-
-    4.57 decides per module: a module is skipped when it carries ``_is_hf_initialized``, which
-    ``_initialize_missing_keys`` recomputes from the tensors' flags. Stale module flags (from a
-    construction that already ran ``init_weights``) are cleared first so that recomputation
-    is the only source.
-    """
-    for key, tensor in model.state_dict(keep_vars=True).items():
-        if key in missing:
-            tensor.__dict__.pop("_is_hf_initialized", None)
-    for module in model.modules():
-        module.__dict__.pop("_is_hf_initialized", None)
-    with torch.no_grad():
-        model._initialize_missing_keys(sorted(missing), False)
 
 
 def moe_router_candidates(modules: Mapping[str, nn.Module]) -> Iterator[tuple[str, nn.Module, nn.Module]]:

@@ -1,0 +1,216 @@
+"""The conversion engine's wiring into transformers 5.x (the counterpart of
+:mod:`modelgraft._compat._loading_v4`); see :mod:`modelgraft._compat.loading`.
+
+The engine is the :class:`~modelgraft._compat.loading.ConversionEngine` given to :func:`install`;
+this module never imports it. Wrapped (the ``conversion`` sites of :mod:`modelgraft._compat.wraps`),
+in ``transformers.modeling_utils``:
+
+* ``PreTrainedModel.post_init``: remembers the conversion scopes a model was built under, so a
+  model made with ``from_config`` saves its original layout after the scope has ended.
+* ``get_model_conversion_mapping`` (the name ``from_pretrained`` calls): drops transformers'
+  built-in transforms for every (sub)model that has a modelgraft entry; that entry replaces them.
+* ``PreTrainedModel._load_pretrained_model``: after transformers has loaded every key that fits,
+  fills the missing converted parameters from the checkpoint files, or from the ``state_dict`` the
+  load was given (before ``_finalize_model_loading`` would randomly initialise them).
+* ``revert_weight_conversion`` (the name ``save_pretrained`` calls): reverses modelgraft's conversions
+  exactly and leaves the other keys to transformers.
+
+Example:
+    >>> from modelgraft._compat import _loading_v5
+    >>> _loading_v5.builtin_conversion_exists("qwen2_moe")
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import conversion_mapping as _tcm
+from transformers import core_model_loading as _tcore
+
+from modelgraft._compat.engine import ConversionEngine
+from modelgraft._compat.wraps import WrapGroup
+
+__all__ = [
+    "builtin_checkpoint_conversions",
+    "builtin_conversion_exists",
+    "install",
+    "installed",
+    "uninstall",
+]
+
+_wrappers = WrapGroup("conversion")
+
+
+def builtin_conversion_exists(key: str) -> bool:
+    """Whether the installed transformers has its own conversion entry for ``key``."""
+    return _tcm.get_checkpoint_conversion_mapping(key) is not None
+
+
+def builtin_checkpoint_conversions(model_type: str) -> list[Any]:
+    """transformers' own conversion entries for ``model_type``."""
+    return list(_tcm.get_checkpoint_conversion_mapping(model_type) or [])
+
+
+def _signature(transform: Any) -> tuple:
+    return (
+        type(transform).__name__,
+        tuple(getattr(transform, "_original_source_patterns", ()) or ()),
+        tuple(getattr(transform, "_original_target_patterns", ()) or ()),
+    )
+
+
+def _filter_builtins(engine: ConversionEngine, model: Any, transforms: list) -> list:
+    paths = engine.scope_paths(model)
+    if not paths:
+        return transforms
+    drop: set[tuple] = set()
+    base = getattr(model, "base_model_prefix", "") or ""
+    for path in paths:
+        sub = model.get_submodule(path) if path else model
+        builtin = _tcm.extract_weight_conversions_for_model(sub) or []
+        # transformers scopes sub-model transforms with the path minus the base model prefix.
+        prefix = None if not path else path.removeprefix(base).removeprefix(".")
+        drop.update((prefix, *_signature(t)) for t in builtin)
+    return [t for t in transforms if (getattr(t, "scope_prefix", None), *_signature(t)) not in drop]
+
+
+def _wrap_get_model_conversion_mapping(engine: ConversionEngine) -> Any:
+    def wrap(original: Any) -> Any:
+        def get_model_conversion_mapping(model: Any, *args: Any, **kwargs: Any) -> list:
+            transforms = original(model, *args, **kwargs)
+            if not engine.active():
+                return transforms
+            return _filter_builtins(engine, model, transforms)
+
+        return get_model_conversion_mapping
+
+    return wrap
+
+
+def _renamer(weight_mapping: list) -> Any:
+    """The loader's own key renamings (not its converters), as one ``str -> str`` function."""
+    renamings = [t for t in weight_mapping if isinstance(t, _tcore.WeightRenaming)]
+    if not renamings:
+        return None
+    return lambda key: _tcore.apply_renamings(key, renamings)
+
+
+def _quantizing_placer(model: Any, quantizer: Any, loading_info: Any) -> Any:
+    """With a quantizing load, hand each converted weight the quantizer wants to its quantize step,
+    exactly as transformers' loading loop does with the weights it loads, so that fused layers are
+    quantized like the separate ones (not left in full precision)."""
+    if quantizer is None:
+        return None
+
+    def place(key: str, tensor: torch.Tensor) -> bool:
+        if not quantizer.param_needs_quantization(model, key):
+            return False
+        realized = quantizer.get_quantize_ops().convert(
+            {key: tensor},
+            source_patterns=[key],
+            target_patterns=[key],
+            full_layer_name=key,
+            model=model,
+            config=model.config,
+            missing_keys=loading_info.missing_keys,
+        )
+        for name, value in realized.items():
+            value = value[0] if isinstance(value, list) else value
+            _tcore.set_param_for_module(model, name, value, loading_info, quantizer)
+        return True
+
+    return place
+
+
+def _wrap_load_pretrained_model(engine: ConversionEngine) -> Any:
+    def wrap(original: Any) -> Any:
+        def _load_pretrained_model(
+            model: Any, state_dict: Any, checkpoint_files: Any, load_config: Any, *a: Any, **kw: Any
+        ) -> Any:
+            loading_info, offload_index = original(model, state_dict, checkpoint_files, load_config, *a, **kw)
+            if engine.active():
+                offloaded: dict = offload_index if offload_index is not None else {}
+
+                def offload(key: str, tensor: torch.Tensor) -> None:
+                    # Converted weights have no range in the checkpoint to point at: written out, as
+                    # transformers does for its own converted weights, and read back when used.
+                    from transformers.integrations.accelerate import offload_weight  # only when offloading
+
+                    offload_weight(tensor, key, getattr(load_config, "disk_offload_folder", None), offloaded)
+
+                engine.load(
+                    model,
+                    checkpoint_files,
+                    loading_info.missing_keys,
+                    loading_info.unexpected_keys,
+                    device_map=getattr(load_config, "device_map", None),
+                    rename=_renamer(getattr(load_config, "weight_mapping", None) or []),
+                    offload=offload,
+                    place=_quantizing_placer(model, getattr(load_config, "hf_quantizer", None), loading_info),
+                    state_dict=state_dict,  # `from_pretrained(..., state_dict=)`: converted like files
+                )
+                if offloaded and offload_index is None:
+                    offload_index = offloaded
+            return loading_info, offload_index
+
+        return _load_pretrained_model
+
+    return wrap
+
+
+def _wrap_post_init(engine: ConversionEngine) -> Any:
+    def wrap(original: Any) -> Any:
+        def post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            if engine.active():
+                engine.remember(self)
+            return result
+
+        return post_init
+
+    return wrap
+
+
+def _wrap_revert(engine: ConversionEngine) -> Any:
+    def wrap(original: Any) -> Any:
+        def revert_weight_conversion(model: Any, state_dict: dict) -> dict:
+            reversed_ = engine.reverse(model, state_dict)
+            if reversed_ is None:
+                return original(model, state_dict)
+            rest = {k: state_dict[k] for k in reversed_.untouched}
+            rest.update(reversed_.converted)
+            root_claimed = "" in reversed_.scope_paths
+            # A root entry is the model's whole mapping: without load-time transforms to undo,
+            # transformers would rebuild its built-in ones from the registry, so skip it. Otherwise
+            # its remaining transforms (renamings of legacy layouts, other sub-models) still apply.
+            if root_claimed and getattr(model, "_weight_conversions", None) is None:
+                return rest
+            return original(model, rest)
+
+        return revert_weight_conversion
+
+    return wrap
+
+
+def installed() -> bool:
+    """Whether the conversion wrappers are in place."""
+    return _wrappers.installed
+
+
+def install(engine: ConversionEngine) -> None:
+    """Install the load/save wrappers calling ``engine`` (idempotent)."""
+    _wrappers.install(
+        {
+            "get_model_conversion_mapping": _wrap_get_model_conversion_mapping(engine),
+            "revert_weight_conversion": _wrap_revert(engine),
+            "_load_pretrained_model": _wrap_load_pretrained_model(engine),
+            "post_init": _wrap_post_init(engine),
+        }
+    )
+
+
+def uninstall() -> None:
+    """Remove the load/save wrappers (idempotent)."""
+    _wrappers.uninstall()

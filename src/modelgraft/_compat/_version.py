@@ -1,0 +1,81 @@
+"""Which transformers is installed, whether modelgraft supports it, and what it has.
+
+Importing this module checks the installed version (so ``import modelgraft`` fails early, with
+the supported ranges, on an unsupported transformers). It reads ``transformers.__version__`` only:
+importing it loads no modeling code.
+
+Example:
+    >>> from modelgraft._compat import _version
+    >>> _version.TRANSFORMERS_MAJOR in (4, 5), _version.IS_V5 == (_version.TRANSFORMERS_MAJOR == 5)
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import transformers
+from packaging.version import Version
+
+from modelgraft.errors import UnsupportedTransformersError
+
+__all__ = [
+    "FUSED_MOE_EXPERTS",
+    "HAS_BUILTIN_CONVERSION",
+    "HAS_BUILTIN_PATCHING",
+    "IS_V5",
+    "SUPPORTED_RANGES",
+    "TRANSFORMERS_MAJOR",
+    "TRANSFORMERS_VERSION",
+    "check_supported",
+    "is_supported",
+]
+
+SUPPORTED_RANGES = ">=4.57,<4.58 or >=5.0,<6"
+
+TRANSFORMERS_VERSION = Version(transformers.__version__)
+TRANSFORMERS_MAJOR = TRANSFORMERS_VERSION.major
+IS_V5 = TRANSFORMERS_MAJOR == 5
+
+
+def is_supported(version: Version | str = TRANSFORMERS_VERSION) -> bool:
+    """Whether modelgraft supports this transformers version (pre-releases of a supported line count).
+
+    Example:
+        >>> is_supported("4.57.6"), is_supported("5.23.0"), is_supported("4.56.2"), is_supported("6.0.0")
+        (True, True, False, False)
+    """
+    version = Version(str(version))
+    return (version.major, version.minor) == (4, 57) or version.major == 5
+
+
+def check_supported(version: Version | str = TRANSFORMERS_VERSION) -> None:
+    """Raise :class:`~modelgraft.errors.UnsupportedTransformersError` unless ``version`` is supported.
+
+    Runs when modelgraft is imported, so an unsupported transformers fails early with a message
+    that says which versions work.
+
+    Example:
+        >>> check_supported("5.0.0")
+        >>> check_supported("4.46.0")
+        Traceback (most recent call last):
+        ...
+        modelgraft.errors.UnsupportedTransformersError: modelgraft supports transformers >=4.57,<4.58 or >=5.0,<6; found `4.46.0`. ...
+    """
+    if not is_supported(version):
+        raise UnsupportedTransformersError(
+            f"modelgraft supports transformers {SUPPORTED_RANGES}; found `{version}`. "
+            "Install a supported release, e.g. `pip install 'transformers>=5,<6'` "
+            "(or `pip install 'transformers~=4.57.0'` to stay on 4.x)."
+        )
+
+
+check_supported()
+
+# Feature flags. Each says what the installed transformers has, so callers need no version test.
+#: transformers ships its own ``monkey_patching`` module (5.x); 4.57 has none.
+HAS_BUILTIN_PATCHING = IS_V5
+#: transformers converts checkpoint layouts itself (``WeightConverter``, ``conversion_mapping``,
+#: ``revert_weight_conversion`` on save): 5.x. On 4.57 a checkpoint key maps to one parameter.
+HAS_BUILTIN_CONVERSION = IS_V5
+#: MoE experts are one module with 3D parameters (5.x) rather than a ``ModuleList`` of per-expert
+#: MLPs (4.57). Checkpoints use per-expert keys on both.
+FUSED_MOE_EXPERTS = IS_V5

@@ -1,0 +1,78 @@
+"""The conversion engine as the version layer sees it (:class:`~modelgraft._compat.engine.ConversionEngine`).
+
+:func:`modelgraft.conversion.install` hands :data:`ENGINE` to
+:func:`modelgraft._compat.install_conversion_wiring`, which calls it from transformers' load and
+save steps. The dependency points down: ``_compat`` never imports the engine.
+
+Example:
+    >>> import torch
+    >>> ENGINE.scope_paths(torch.nn.Linear(1, 1)), ENGINE.reverse(torch.nn.Linear(1, 1), {})
+    ([], None)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from modelgraft._compat.engine import Offload, Place, Reversed
+from modelgraft.conversion.load import apply_load_conversions, device_for_map
+from modelgraft.conversion.rules import has_any_conversions
+from modelgraft.conversion.save import reverse_state_dict
+from modelgraft.conversion.scopes import remember_conversions, resolve_scopes
+from modelgraft.report import _report_for
+
+__all__ = ["ENGINE"]
+
+
+class _Engine:
+    """Routes each call of the wiring to the engine's load, save and scope steps."""
+
+    def active(self) -> bool:
+        return has_any_conversions()
+
+    def scope_paths(self, model: torch.nn.Module) -> list[str]:
+        return [scope.path for scope in resolve_scopes(model)]
+
+    def remember(self, model: torch.nn.Module) -> None:
+        remember_conversions(model)
+
+    def load(
+        self,
+        model: torch.nn.Module,
+        checkpoint_files: Sequence[str] | None,
+        missing_keys: set[str],
+        unexpected_keys: set[str],
+        *,
+        device_map: Mapping[str, object] | None,
+        rename: Callable[[str], str] | None,
+        offload: Offload | None,
+        place: Place | None,
+        state_dict: Mapping[str, torch.Tensor] | None,
+    ) -> None:
+        apply_load_conversions(
+            model,
+            checkpoint_files,
+            missing_keys,
+            unexpected_keys,
+            device_for_map(device_map),
+            rename,
+            offload,
+            place,
+            state_dict=state_dict,
+        )
+
+    def reverse(self, model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> Reversed | None:
+        found = reverse_state_dict(model, state_dict)
+        if found is None:
+            return None
+        converted, untouched, scopes = found
+        return Reversed(converted, untouched, [scope.path for scope in scopes])
+
+    def report_problem(self, model: torch.nn.Module, message: str) -> None:
+        _report_for(model).problems.append(message)
+
+
+#: The one engine; stateless, so installing it twice is harmless.
+ENGINE = _Engine()
