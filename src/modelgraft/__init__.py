@@ -7,6 +7,11 @@ Importing modelgraft installs its load hooks into transformers (idempotent; see
 from __future__ import annotations
 
 from modelgraft import _compat  # noqa: F401  (fails early on an unsupported transformers)
+from modelgraft._hf_compat_api import (
+    get_model_conversion_mapping,
+    rename_source_key,
+    revert_weight_conversion,
+)
 from modelgraft.conversion import (
     Chunk,
     Concatenate,
@@ -21,6 +26,16 @@ from modelgraft.conversion import (
     register_checkpoint_conversion_mapping,
     unregister_checkpoint_conversion_mapping,
 )
+from modelgraft.conversion.builtin_ops import (
+    Conv3dToLinear,
+    ConversionOps,
+    ErnieFuseAndSplitTextVisionExperts,
+    LinearToConv3d,
+    PermuteForRope,
+    VisionFuseAndPermuteForRope,
+    VisionUnfuseAndPermuteForRope,
+)
+from modelgraft.conversion.builtin_rules import GroupWeightRename, PrefixChange
 from modelgraft.errors import (
     ConversionError,
     ConversionShapeError,
@@ -33,6 +48,7 @@ from modelgraft.errors import (
     StrictModeError,
     UnsupportedTransformersError,
 )
+from modelgraft.graft import Graft, register_graft, unregister_graft
 from modelgraft.hooks import apply_patches, patched, unpatched
 from modelgraft.live import graft_model
 from modelgraft.recorders import patch_output_recorders
@@ -43,7 +59,9 @@ from modelgraft.registry import (
     unregister_patch_mapping,
 )
 from modelgraft.report import GraftReport, report
+from modelgraft.swap import add_scope_prefix, remove_scope_prefix
 from modelgraft.verify import VerifyReport, verify
+from modelgraft.weight_sync import original_state_dict
 
 __version__ = "0.1.0"
 
@@ -51,16 +69,24 @@ __version__ = "0.1.0"
 __all__ = [
     "Chunk",
     "Concatenate",
+    "Conv3dToLinear",
     "ConversionContext",
     "ConversionError",
     "ConversionOperation",
+    "ConversionOps",
     "ConversionShapeError",
+    "ErnieFuseAndSplitTextVisionExperts",
+    "Graft",
     "GraftError",
     "GraftReport",
+    "GroupWeightRename",
     "IrreversibleConversionError",
+    "LinearToConv3d",
     "MergeModulelist",
     "MissingSourceKeyError",
     "PatchRegistrationError",
+    "PermuteForRope",
+    "PrefixChange",
     "ReplacementTypeError",
     "RoutingError",
     "SplitModulelist",
@@ -68,21 +94,31 @@ __all__ = [
     "Transpose",
     "UnsupportedTransformersError",
     "VerifyReport",
+    "VisionFuseAndPermuteForRope",
+    "VisionUnfuseAndPermuteForRope",
     "WeightConverter",
     "WeightRenaming",
     "__version__",
+    "add_scope_prefix",
     "apply_patches",
     "clear_patch_mapping",
     "get_checkpoint_conversion_mapping",
+    "get_model_conversion_mapping",
     "get_patch_mapping",
     "graft_model",
+    "original_state_dict",
     "patch_output_recorders",
     "patched",
     "register_checkpoint_conversion_mapping",
+    "register_graft",
     "register_patch_mapping",
+    "remove_scope_prefix",
+    "rename_source_key",
     "report",
+    "revert_weight_conversion",
     "unpatched",
     "unregister_checkpoint_conversion_mapping",
+    "unregister_graft",
     "unregister_patch_mapping",
     "verify",
 ]

@@ -24,7 +24,7 @@ from modelgraft import _compat
 from modelgraft.errors import UnsupportedFamilyError
 from modelgraft.grafts import LINEAR_EXPERTS_FAMILIES, linear_experts
 from modelgraft.grafts.linear_experts import LinearExpert
-from modelgraft.moe._families import moe_model_types
+from moe_families import moe_model_types
 
 ATOL = 1e-5
 

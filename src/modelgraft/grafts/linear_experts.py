@@ -9,10 +9,17 @@ three ``nn.Linear`` layers, and the same forward signature
 ``(hidden_states, top_k_index, top_k_weights)``.
 
 The per-expert layers are named as in the family's checkpoints (``gate_proj``/``up_proj``/
-``down_proj``; ``w1``/``w3``/``w2`` for Mixtral-style checkpoints), which transformers 5 still
-writes per expert. Loading therefore needs no tensor conversion at all: the graft's conversions
-are transformers' own for that model type minus its expert merges (renamings such as
-``block_sparse_moe`` -> ``mlp`` stay).
+``down_proj``; ``w1``/``w3``/``w2`` for Mixtral-style checkpoints). Where transformers 5 still
+writes experts per expert, loading needs no tensor conversion at all: the graft's conversions are
+transformers' own for that model type minus its expert merges (renamings such as
+``block_sparse_moe`` -> ``mlp`` stay). Families whose checkpoints hold the fused tensors, and
+layouts other than the standard one (transposed, interleaved, biased, Llama 4's dense call; see
+:mod:`modelgraft.grafts._expert_layouts`), get exactly reversible converters instead.
+
+The experts run by transformers' ``experts_implementation`` (:mod:`modelgraft.grafts._grouped_experts`):
+``grouped_mm`` and ``eager`` are honoured, anything else is refused. Experts whose plain class
+has no kernel choice (GPT-OSS, Llama 4) run as the default path whatever the config says, as the
+plain ones do.
 
 Example:
     >>> from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
@@ -28,11 +35,14 @@ import types
 
 import torch
 from torch import nn
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+from torch.nn.modules import module as _torch_module
 
 from modelgraft import _compat
+from modelgraft._families import LINEAR_EXPERTS, covered_by
 from modelgraft._forksafe import ForkSafeLock
 from modelgraft.errors import RoutingError
+from modelgraft.grafts import _grouped_experts as _grouped
+from modelgraft.grafts import _peft
 from modelgraft.grafts._bundle import (
     Graft,
     UnsupportedFamilyError,
@@ -49,74 +59,27 @@ from modelgraft.grafts._expert_layouts import (
     layout_of,
     split_fused,
 )
+from modelgraft.grafts._grouped_experts import ExpertsImplementationError
+from modelgraft.grafts._peft import ExpertsAdapterError
 from modelgraft.grafts._pickling import RECIPE_ATTR, GraftedClass
 
-__all__ = ["LINEAR_EXPERTS_FAMILIES", "FamilyGate", "LinearExpert", "linear_experts", "linear_experts_class"]
+__all__ = [
+    "LINEAR_EXPERTS_FAMILIES",
+    "ExpertsAdapterError",
+    "ExpertsImplementationError",
+    "FamilyGate",
+    "LinearExpert",
+    "linear_experts",
+    "linear_experts_class",
+]
 
 DEFAULT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
-#: Families that are checkpointed per expert or fused, in the standard layout or one declared in
-#: :mod:`modelgraft.grafts._expert_layouts` (each one tested on every transformers line that has it).
-_FAMILIES: tuple[str, ...] = (
-    "qwen2_moe",
-    "qwen3_moe",
-    "mixtral",
-    "olmoe",
-    "flex_olmo",
-    "phimoe",
-    "minimax",
-    "deepseek_v2",
-    "deepseek_v3",
-    "glm4_moe",
-    "dots1",
-    "ernie4_5_moe",
-    "hunyuan_v1_moe",
-    "jamba",
-    "qwen3_next",
-    # refused before: transposed, interleaved or biased experts, regex renamings, fused checkpoints
-    "qwen3_5_moe_text",
-    "qwen3_vl_moe_text",
-    "gemma4_text",
-    "llama4_text",
-    "gpt_oss",
-    "granitemoe",
-    "granitemoeshared",
-    "granitemoehybrid",
-    "granitemoe_swa",
-    "aria_text",
-    # new in transformers 5
-    "afmoe",
-    "axk1",
-    "axk2",
-    "cohere2_moe",
-    "deepseek_v32",
-    "exaone_moe",
-    "glm4_moe_lite",
-    "glm4v_moe_text",
-    "glm_moe_dsa",
-    "hy_v3",
-    "inkling_text",
-    "kolibri1",
-    "laguna",
-    "mellum",
-    "mimo_v2_flash",
-    "minimax_m2",
-    "minimax_m3_vl_text",
-    "mistral4",
-    "openai_privacy_filter",
-    "solar_open",
-    "dots3_note_text",
-)
-
-#: On transformers 4.57, the first 15 already have per-expert experts (the graft replaces nothing);
-#: these keep fused ones there too.
-_FAMILIES_V4: tuple[str, ...] = (*_FAMILIES[:15], "gpt_oss", "llama4_text")
-
-#: Model types :func:`linear_experts` covers by default: those of :data:`_FAMILIES` the installed
-#: transformers has (transformers 4.57 builds most of them per expert already).
-LINEAR_EXPERTS_FAMILIES: tuple[str, ...] = tuple(
-    t for t in _FAMILIES if t in CONFIG_MAPPING_NAMES and (_compat.FUSED_MOE_EXPERTS or t in _FAMILIES_V4)
-)
+#: Model types :func:`linear_experts` covers by default on the installed transformers (each one
+#: tested): the family table's rows for this graft. Families checkpointed per expert or fused, in
+#: the standard layout or one declared in :mod:`modelgraft.grafts._expert_layouts`; on
+#: transformers 4.57 only those whose experts are per expert already or still fused there.
+LINEAR_EXPERTS_FAMILIES: tuple[str, ...] = covered_by(LINEAR_EXPERTS)
 
 
 class LinearExpert(nn.Module):
@@ -263,6 +226,7 @@ class _LinearExpertsBase(nn.ModuleList):
         self._setup(probe)
 
     def _setup(self, probe: nn.Module) -> None:
+        _peft.ensure_installed()  # PEFT must keep the expert names as module targets here
         layout = layout_of(probe)
         num, inter, hidden = split_fused(probe, layout)["gate"].shape
         self.num_experts = num
@@ -270,32 +234,16 @@ class _LinearExpertsBase(nn.ModuleList):
         self.intermediate_dim = inter
         self._dense_call = layout.call == "dense"
         self._weights_by_expert = layout.call == "routed_by_expert"
+        self._bias = layout.bias
+        # transformers' kernel choice lives on the config (`experts_implementation=`), as for the
+        # fused experts: it is honoured or refused here, and again at every forward. Experts
+        # without a config of their own (GPT-OSS, Llama 4) have no kernel choice in transformers.
+        self.config = probe.__dict__.get("config")
+        _grouped.check_implementation(self)
         gate = _family_gate(probe, layout)
         act_fn = getattr(probe, "act_fn", None) if gate is None else None
         for _ in range(num):
             self.append(LinearExpert(hidden, inter, act_fn, self._expert_names, layout.bias, gate))
-
-    @classmethod
-    def _from_original(cls, module: nn.Module) -> nn.Module:
-        """Build per-expert layers from a built original, copying its weights."""
-        problem = _layout_problem(module)
-        if problem is not None:
-            raise UnsupportedFamilyError(f"`{type(module).__name__}` cannot be converted: {problem}.")
-        new = cls.__new__(cls)
-        nn.ModuleList.__init__(new)
-        device, dtype = module.gate_up_proj.device, module.gate_up_proj.dtype
-        new._setup(module)
-        new.to(device=device, dtype=dtype)
-        names = dict(zip(("gate", "up", "down"), cls._expert_names, strict=True))
-        parts = split_fused(module, layout_of(module))
-        with torch.no_grad():
-            for index, expert in enumerate(new):
-                for role, name in names.items():
-                    layer = getattr(expert, name)
-                    layer.weight.copy_(parts[role][index])
-                    if layer.bias is not None:
-                        layer.bias.copy_(parts[f"{role}_bias"][index])
-        return new
 
     def forward(
         self,
@@ -314,8 +262,15 @@ class _LinearExpertsBase(nn.ModuleList):
             top_k_weights: ``(num_tokens, top_k)`` routing weights.
 
         ``router_indices``/``routing_weights`` are GPT-OSS's names for the same two (it passes them
-        by keyword on transformers 4.57). Llama 4's experts take no routing: ``hidden_states`` is ``(num_experts * tokens, hidden)``,
-        already scaled by the router, and expert ``e`` runs on block ``e``.
+        by keyword on transformers 4.57). Routed experts run by the configured
+        ``experts_implementation`` (``eager``, or ``grouped_mm``: a grouped matmul where every
+        expert layer is a plain ``nn.Linear``, else the sorted-token loop). Llama 4's experts take
+        no routing: ``hidden_states`` is ``(num_experts * tokens, hidden)``, already scaled by the
+        router, and expert ``e`` runs on block ``e``, as the plain experts do.
+
+        Raises:
+            RoutingError: a routed call without the router's ids or weights.
+            ExpertsImplementationError: the config asks for a kernel per-expert layers cannot run.
         """
         if self._dense_call:
             blocks = hidden_states.view(self.num_experts, -1, self.hidden_dim)
@@ -327,27 +282,73 @@ class _LinearExpertsBase(nn.ModuleList):
                 f"`{type(self).__name__}.forward` needs `top_k_index` and `top_k_weights` (the router's "
                 "choice); received `None`."
             )
-        if self._weights_by_expert:  # GPT-OSS on 4.57: (batch, seq, hidden) in and out
-            batch = hidden_states.shape[0]
-            flat = self._route(hidden_states.reshape(-1, self.hidden_dim), top_k_index, top_k_weights)
-            return flat.view(batch, -1, self.hidden_dim)
+        if self._weights_by_expert:
+            # GPT-OSS on 4.57: (batch, seq, hidden) in and out, and the weights scattered to
+            # (tokens, num_experts); each pair's weight is read back at its expert id (exactly).
+            # An id outside [0, num_experts) (its masking index) reads a clamped place; every path
+            # skips such a pair, so that weight is never used.
+            shape = hidden_states.shape
+            flat = hidden_states.reshape(-1, self.hidden_dim)
+            ids = top_k_index.reshape(flat.shape[0], -1)
+            weights = top_k_weights.reshape(flat.shape[0], -1).gather(1, ids.clamp(0, self.num_experts - 1))
+            return self._route(flat, ids, weights).view(shape)
         return self._route(hidden_states, top_k_index, top_k_weights)
 
     def _route(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        out = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            hit = torch.unique(top_k_index).tolist()
-        for expert_id in hit:
-            if not 0 <= expert_id < self.num_experts:
-                continue
-            # Same visiting order as transformers (by top-k slot, then token) so sums match.
-            k_pos, token_idx = torch.where((top_k_index == expert_id).T)
-            weights = top_k_weights[token_idx, expert_id if self._weights_by_expert else k_pos, None]
-            current = self[expert_id](hidden_states[token_idx]) * weights
-            out.index_add_(0, token_idx, current.to(out.dtype))
-        return out
+        """The routed experts' output by the configured ``experts_implementation``."""
+        implementation = _grouped.check_implementation(self)
+        if implementation == "eager":
+            return _grouped.eager_forward(
+                self._run, self.num_experts, hidden_states, top_k_index, top_k_weights
+            )
+        layers = self._plain_layers()
+        if layers is not None:
+            first = self[0]
+            out = _grouped.grouped_linear_forward(
+                layers, first.act_fn, hidden_states, top_k_index, top_k_weights, gate=first._gate
+            )
+            if out is not None:
+                return out
+        return _grouped.sorted_forward(self._run, self.num_experts, hidden_states, top_k_index, top_k_weights)
+
+    def _run(self, expert_id: int, tokens: torch.Tensor) -> torch.Tensor:
+        return self[expert_id](tokens)
+
+    def _plain_layers(self) -> list[tuple[nn.Linear, nn.Linear, nn.Linear]] | None:
+        """Each expert's (gate, up, down) when all are untouched ``nn.Linear`` layers, else ``None``.
+
+        Only then may their weights (and biases) be stacked for a grouped matmul: a wrapped
+        (LoRA), quantized or hooked layer must be called as a module, so that its own computation
+        runs. Every expert must share one activation (``act_fn`` or the family's gate), as built.
+        """
+        if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
+            return None
+        if not len(self):
+            return None
+        act_fn, gate = self[0].act_fn, self[0]._gate
+        layers = []
+        for expert in self:
+            if (
+                type(expert) is not LinearExpert
+                or expert.act_fn is not act_fn
+                or expert._gate is not gate
+                or _hooked(expert)
+            ):
+                return None
+            found = tuple(expert._modules.get(name) for name in self._expert_names)
+            if any(
+                type(layer) is not nn.Linear or (layer.bias is not None) != self._bias or _hooked(layer)
+                for layer in found
+            ):
+                return None
+            layers.append(found)
+        return layers  # type: ignore[return-value]
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
 _CLASSES: dict[tuple[type, tuple[str, str, str]], type[nn.Module]] = {}
