@@ -13,8 +13,9 @@ clamped SwiGLU with ``alpha``/``limit``, DeepSeek-V4's clamp) gets its own ``_ap
 on the gate and up outputs laid out as the family expects them.
 
 Example:
-    >>> layout_of(type("GptOssExperts", (), {}))
-    ExpertLayout(transposed=True, interleaved=True, bias=True, call='routed', activation='clamped_swiglu')
+    >>> gpt_oss = layout_of(type("GptOssExperts", (), {}))  # its `call` depends on the transformers line
+    >>> gpt_oss.transposed, gpt_oss.interleaved, gpt_oss.bias, gpt_oss.activation
+    (True, True, True, 'clamped_swiglu')
     >>> layout_of(type("Qwen2MoeExperts", (), {"is_transposed": False}))
     ExpertLayout(transposed=False, interleaved=False, bias=False, call='routed', activation=None)
 """

@@ -17,9 +17,9 @@ layouts other than the standard one (transposed, interleaved, biased, Llama 4's 
 :mod:`modelgraft.grafts._expert_layouts`), get exactly reversible converters instead.
 
 The experts run by transformers' ``experts_implementation`` (:mod:`modelgraft.grafts._grouped_experts`):
-``grouped_mm`` and ``eager`` are honoured, anything else is refused. Experts whose plain class
-has no kernel choice (GPT-OSS, Llama 4) run as the default path whatever the config says, as the
-plain ones do.
+``grouped_mm`` and ``eager`` are honoured (biases and a family's own gate included), anything
+else is refused. Experts whose plain class has no kernel choice (Llama 4's dense call; every
+family on transformers 4.57) run as the plain ones do whatever the config says.
 
 Example:
     >>> from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
@@ -237,7 +237,7 @@ class _LinearExpertsBase(nn.ModuleList):
         self._bias = layout.bias
         # transformers' kernel choice lives on the config (`experts_implementation=`), as for the
         # fused experts: it is honoured or refused here, and again at every forward. Experts
-        # without a config of their own (GPT-OSS, Llama 4) have no kernel choice in transformers.
+        # without a config of their own (Llama 4, 4.57) have no kernel choice in transformers.
         self.config = probe.__dict__.get("config")
         _grouped.check_implementation(self)
         gate = _family_gate(probe, layout)
