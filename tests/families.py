@@ -60,11 +60,7 @@ class Family:
         """The causal LM where transformers maps this config to one, else the base model
         (multimodal text towers such as ``qwen3_vl_moe_text`` have no causal-LM class of their own)."""
         config = self.config(**overrides)
-        try:
-            AutoModelForCausalLM._model_mapping[type(config)]
-        except KeyError:
-            return AutoModel.from_config(config)
-        return AutoModelForCausalLM.from_config(config)
+        return auto_class(config).from_config(config)
 
     def base_model(self, **overrides: Any) -> torch.nn.Module:
         """``AutoModel.from_config`` of the tiny config (every kind)."""
@@ -89,6 +85,15 @@ class Family:
             kwargs["input_ids"] = torch.cat([image, ids], dim=1)
             kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
         return kwargs
+
+
+def auto_class(config: PretrainedConfig) -> type:
+    """``AutoModelForCausalLM`` where transformers maps ``config`` to a causal LM, else ``AutoModel``."""
+    try:
+        AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        return AutoModel
+    return AutoModelForCausalLM
 
 
 FAMILIES: tuple[Family, ...] = tuple(
