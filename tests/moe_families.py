@@ -89,6 +89,16 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     "ernie4_5_vl_moe_text": {"moe_intermediate_size": [16, 16]},
     "mimo_v2_flash": {"head_dim": 24},
+    # Sizes the generic table does not name, which leave these families above the tiny cap.
+    "deepseek_v4": {"o_lora_rank": 16},
+    "inkling2_text": {"unpadded_vocab_size": 128},
+    "inkling2_loop_text": {"unpadded_vocab_size": 128},
+    "switch_transformers": {"d_ff": 32},
+    "nllb-moe": {"encoder_ffn_dim": 32, "decoder_ffn_dim": 32},
+    "glm5_next_text": {"index_topk": 16},
+    "hy_v4_vl_text": {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    },
     "glm4v_moe_text": {
         "rope_parameters": {
             "rope_type": "default",

@@ -32,6 +32,7 @@ from typing import Any
 
 from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 
+from modelgraft import _compat
 from modelgraft.errors import UnknownModelTypeError
 
 __all__ = [
@@ -68,7 +69,8 @@ class Family:
     Attributes:
         model_type: a transformers ``model_type`` (``"llama"``).
         kind: one of :data:`KINDS`.
-        grafts: the ready-made grafts that cover this family by default (each one tested on it).
+        grafts: the ready-made grafts that cover this family by default on the installed
+            transformers (each one tested on it); empty where transformers has no ``model_type``.
         tiny: config fields its tiny config needs beyond the generic sizes (values that depend on
             the family: head splits of latent attention, layer patterns, ...).
     """
@@ -79,15 +81,26 @@ class Family:
     tiny: Mapping[str, Any] = field(default_factory=dict)
 
 
-def _f(model_type: str, kind: str, *grafts: str, **tiny: Any) -> Family:
-    unknown = set(grafts) - set(_GRAFTS)
+def _f(model_type: str, kind: str, *grafts: str, where_fused: tuple[str, ...] = (), **tiny: Any) -> Family:
+    """A row; ``where_fused`` grafts cover it only where its MoE experts are fused 3D tensors.
+
+    transformers 4.57 builds most MoE families with per-expert layers already (or in a layout of
+    their own), so a graft written for the fused experts of transformers 5 does not cover them
+    there. A default list only names model types the installed transformers has.
+    """
+    unknown = (set(grafts) | set(where_fused)) - set(_GRAFTS)
     if kind not in KINDS or unknown:  # a typo in the table below
         raise ValueError(f"family `{model_type}`: bad kind `{kind}` or grafts {sorted(unknown)}")
-    return Family(model_type, kind, frozenset(grafts), MappingProxyType(tiny))
+    covered = set(grafts) | (set(where_fused) if _compat.FUSED_MOE_EXPERTS else set())
+    if model_type not in CONFIG_MAPPING:
+        covered = set()
+    return Family(model_type, kind, frozenset(covered), MappingProxyType(tiny))
 
 
 _QKV_GATE_UP_LOSS = (FUSED_QKV, FUSED_GATE_UP, CHUNKED_LM_LOSS)
-_MLA = {"kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
+# transformers 4.57 spells the rotary settings `rope_scaling`, 5.x `rope_parameters`; multimodal
+# rotary sections must fill the 8 rotary dims of a 16-wide head.
+_MROPE: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
 
 FAMILIES: tuple[Family, ...] = (
     # decoder-only language models
@@ -138,27 +151,26 @@ FAMILIES: tuple[Family, ...] = (
     _f("qwen3_moe", "moe", FUSED_QKV, LINEAR_EXPERTS, CHUNKED_LM_LOSS),
     _f("olmoe", "moe", FUSED_QKV, LINEAR_EXPERTS, CHUNKED_LM_LOSS),
     _f("flex_olmo", "moe", FUSED_QKV, LINEAR_EXPERTS, CHUNKED_LM_LOSS),
-    # multi-head latent attention: ranks and the rope/nope split of the 16-wide heads
-    _f("deepseek_v2", "moe", FUSED_GATE_UP, LINEAR_EXPERTS, CHUNKED_LM_LOSS, **_MLA, num_key_value_heads=4),
+    # multi-head latent attention: sizes from `_MLA` (every config with a `qk_rope_head_dim`)
+    _f("deepseek_v2", "moe", FUSED_GATE_UP, LINEAR_EXPERTS, CHUNKED_LM_LOSS),
     _f(
         "deepseek_v3",
         "moe",
         FUSED_GATE_UP,
         LINEAR_EXPERTS,
         CHUNKED_LM_LOSS,
-        **_MLA,
         head_dim=8,  # = qk_rope_head_dim: transformers 4.57 sizes the rotary embedding by head_dim
-        num_key_value_heads=4,
     ),
     _f("phimoe", "moe", FUSED_QKV, LINEAR_EXPERTS, CHUNKED_LM_LOSS),
-    _f("granitemoe", "moe", CHUNKED_LM_LOSS),
-    _f("granitemoeshared", "moe", CHUNKED_LM_LOSS),
+    _f("granitemoe", "moe", CHUNKED_LM_LOSS, where_fused=(LINEAR_EXPERTS,)),
+    _f("granitemoeshared", "moe", CHUNKED_LM_LOSS, where_fused=(LINEAR_EXPERTS,)),
     _f("minimax", "moe", FUSED_QKV, LINEAR_EXPERTS, CHUNKED_LM_LOSS),
     _f("glm4_moe", "moe", *_QKV_GATE_UP_LOSS, LINEAR_EXPERTS),
     _f("ernie4_5_moe", "moe", *_QKV_GATE_UP_LOSS, LINEAR_EXPERTS),
     _f("hunyuan_v1_moe", "moe", *_QKV_GATE_UP_LOSS, LINEAR_EXPERTS),
     _f("dots1", "moe", *_QKV_GATE_UP_LOSS, LINEAR_EXPERTS),
-    _f("gpt_oss", "moe", CHUNKED_LM_LOSS),
+    # transposed, interleaved, biased experts with a clamped SwiGLU; fused on 4.57 too
+    _f("gpt_oss", "moe", LINEAR_EXPERTS, CHUNKED_LM_LOSS),
     # one attention layer and one MoE layer among the two
     _f(
         "jamba",
@@ -184,6 +196,87 @@ FAMILIES: tuple[Family, ...] = (
         linear_num_key_heads=2,
         linear_num_value_heads=4,
     ),
+    # MoE families whose experts only the declared layouts, fused-checkpoint converters or the
+    # family's own gated activation make per-expert layers (most only in transformers 5)
+    _f(
+        "qwen3_5_moe_text",
+        "moe",
+        where_fused=(LINEAR_EXPERTS,),
+        layer_types=["linear_attention", "full_attention"],
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    ),
+    _f(
+        "qwen3_vl_moe_text",
+        "moe",
+        where_fused=(LINEAR_EXPERTS,),
+        **({} if _compat.IS_V5 else {"rope_scaling": _MROPE}),
+    ),
+    # the MoE block is opt-in; the per-layer input embedding defaults to a 262k vocabulary
+    _f(
+        "gemma4_text",
+        "moe",
+        where_fused=(LINEAR_EXPERTS,),
+        enable_moe_block=True,
+        vocab_size_per_layer_input=128,
+        hidden_size_per_layer_input=8,
+        top_k_experts=2,
+    ),
+    # transposed experts that run on every token (the router scales the inputs); fused on 4.57 too
+    _f("llama4_text", "moe", LINEAR_EXPERTS),
+    # one linear-attention (mamba) layer and one attention layer
+    _f(
+        "granitemoehybrid",
+        "moe",
+        where_fused=(LINEAR_EXPERTS,),
+        layer_types=["linear_attention", "full_attention"] if _compat.IS_V5 else ["mamba", "attention"],
+    ),
+    _f("granitemoe_swa", "moe", where_fused=(LINEAR_EXPERTS,)),
+    _f("aria_text", "moe", where_fused=(LINEAR_EXPERTS,)),
+    _f("afmoe", "moe", where_fused=(LINEAR_EXPERTS,)),
+    _f("axk1", "moe", where_fused=(LINEAR_EXPERTS,)),
+    _f("axk2", "moe", where_fused=(LINEAR_EXPERTS,)),
+    _f("cohere2_moe", "moe", where_fused=(LINEAR_EXPERTS,)),
+    # DeepSeek-V3.2's sparse-attention indexer (latent attention sizes from `_MLA`)
+    _f(
+        "deepseek_v32", "moe", where_fused=(LINEAR_EXPERTS,), index_head_dim=16, index_n_heads=2, index_topk=4
+    ),
+    _f("exaone_moe", "moe", where_fused=(LINEAR_EXPERTS,)),
+    _f("glm4_moe_lite", "moe", where_fused=(LINEAR_EXPERTS,)),
+    # GLM-4.5V rotates half of each head
+    _f(
+        "glm4v_moe_text",
+        "moe",
+        where_fused=(LINEAR_EXPERTS,),
+        **(
+            {"rope_parameters": {**_MROPE, "partial_rotary_factor": 0.5}}
+            if _compat.IS_V5
+            else {"rope_scaling": _MROPE, "partial_rotary_factor": 0.5}
+        ),
+    ),
+    _f("glm_moe_dsa", "moe", where_fused=(LINEAR_EXPERTS,)),
+    _f("hy_v3", "moe", where_fused=(LINEAR_EXPERTS,)),
+    # its sliding-window heads have sizes of their own
+    _f(
+        "inkling_text",
+        "moe",
+        where_fused=(LINEAR_EXPERTS,),
+        swa_num_attention_heads=4,
+        swa_num_key_value_heads=2,
+        swa_head_dim=16,
+    ),
+    _f("kolibri1", "moe", where_fused=(LINEAR_EXPERTS,)),
+    _f("laguna", "moe", where_fused=(LINEAR_EXPERTS,)),
+    _f("mellum", "moe", where_fused=(LINEAR_EXPERTS,)),
+    _f("mimo_v2_flash", "moe", where_fused=(LINEAR_EXPERTS,)),
+    _f("minimax_m2", "moe", where_fused=(LINEAR_EXPERTS,)),
+    _f("minimax_m3_vl_text", "moe", where_fused=(LINEAR_EXPERTS,)),
+    _f("mistral4", "moe", where_fused=(LINEAR_EXPERTS,)),
+    _f("openai_privacy_filter", "moe", where_fused=(LINEAR_EXPERTS,)),
+    _f("solar_open", "moe", where_fused=(LINEAR_EXPERTS,)),
+    _f("dots3_note_text", "moe", where_fused=(LINEAR_EXPERTS,)),
     # BERT-like encoders
     _f("bert", "encoder"),
     _f("roberta", "encoder"),
@@ -217,8 +310,8 @@ def covered_by(graft: str) -> tuple[str, ...]:
     """The model types a ready-made graft covers by default, in table order.
 
     Example:
-        >>> covered_by(LINEAR_EXPERTS)[-2:]
-        ('jamba', 'qwen3_next')
+        >>> covered_by(LINEAR_EXPERTS)[:2]
+        ('mixtral', 'qwen2_moe')
     """
     if graft not in _GRAFTS:
         raise ValueError(f"`{graft}` is not a ready-made graft; expected one of {list(_GRAFTS)}")
@@ -272,6 +365,17 @@ _SIZES: dict[str, Any] = {
     "sliding_window": 64,
 }
 
+# Multi-head latent attention (every config with a `qk_rope_head_dim`, unless its row says
+# otherwise): the defaults' rope/nope split (64/128) does not fit 16-wide tiny heads.
+_MLA: dict[str, Any] = {
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "num_key_value_heads": 4,
+}
+
 _SPECIAL_TOKEN_SUFFIXES = ("token_id", "token_index", "_token_ids")
 
 
@@ -311,6 +415,9 @@ def tiny_overrides(model_type: str) -> dict[str, Any]:
         target = _resolve(config_class, fields, name)
         if target is not None and target not in kwargs:
             kwargs[target] = value
+    if "qk_rope_head_dim" in fields:
+        for name, value in _MLA.items():
+            kwargs[_resolve(config_class, fields, name) or name] = value
     family = row(model_type)
     for name, value in (family.tiny if family is not None else {}).items():
         target = _resolve(config_class, fields, name) or name

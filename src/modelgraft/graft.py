@@ -50,8 +50,10 @@ class Piece:
     Attributes:
         mapping: patch keys to replacement classes.
         conversions: converters this piece adds, per conversion key (model type or class name).
-        keeps: converters already in effect for a key that this piece keeps in front of its own
-            (transformers' built-in conversion, which a modelgraft entry would otherwise replace).
+        keeps: converters already in effect for a key that this piece keeps (transformers'
+            built-in conversion, which a modelgraft entry would otherwise replace). Their
+            converters go in front of the graft's own, their renamings (converters without
+            operations) after them: a key the graft converts is then not claimed by a renaming first.
         drops: per key, converters of ``keeps`` to leave out (per-expert layers drop the expert
             merge); a drop applies to the whole graft the piece is part of.
     """
@@ -178,7 +180,12 @@ class Graft:
         for key in keys:
             kept = [c for p in self._pieces for c in p.keeps.get(key, ()) if c not in drops.get(key, ())]
             own = [c for p in self._pieces for c in p.conversions.get(key, ())]
-            merged[key] = tuple(dict.fromkeys([*kept, *own]))  # a graft added twice converts once
+            # modelgraft gives each model key to the first converter that targets it: a kept
+            # renaming (GraniteMoE's `block_sparse_moe` -> `mlp`) must not take the keys a graft's
+            # converter builds from the checkpoint's own names.
+            renamings = [c for c in kept if not c.operations]
+            ordered = [*(c for c in kept if c.operations), *own, *renamings]
+            merged[key] = tuple(dict.fromkeys(ordered))  # a graft added twice converts once
         return merged
 
     @property

@@ -90,11 +90,9 @@ def _ours(transforms):
 
 
 def _meta_model(fam):
-    from transformers import AutoModel, AutoModelForCausalLM
-
-    config = fam.config()
+    # a text tower without a causal-LM class of its own (qwen3_vl_moe_text) builds its base model
     with torch.device("meta"):
-        return (AutoModelForCausalLM if fam.has_lm_head else AutoModel).from_config(config)
+        return fam.model() if fam.has_lm_head else fam.base_model()
 
 
 def _covered_families() -> list:

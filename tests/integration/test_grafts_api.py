@@ -15,7 +15,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.qwen2_moe import modeling_qwen2_moe
 
 import modelgraft
-from _versions import requires_fused_experts
+from _versions import missing_model_type, requires_fused_experts
 from families import family
 from modelgraft.conversion import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from modelgraft.errors import ConversionError, PatchRegistrationError
@@ -33,6 +33,7 @@ from modelgraft.grafts import (
     linear_experts_class,
 )
 from modelgraft.grafts._fused import fuse_linears
+from modelgraft.testing import tiny_config
 
 # Fused 3D experts exist on transformers 5.x only (tests using them are marked requires_fused_experts).
 Qwen2MoeExperts = getattr(modeling_qwen2_moe, "Qwen2MoeExperts", None)
@@ -125,17 +126,22 @@ def test_adding_grafts_that_replace_one_class_differently_is_an_error() -> None:
         fused_qkv("llama") + other
 
 
+def _lacks(model_type: str) -> dict:
+    why = missing_model_type(model_type)
+    return {"condition": why is not None, "reason": why or ""}
+
+
 @pytest.mark.parametrize(
     ("make", "model_type", "message"),
     [
         (fused_qkv, "phi3", r"No attention of `phi3` has plain `q_proj`, `k_proj` and `v_proj`"),
         (fused_gate_up, "gpt2", r"No MLP of `gpt2` has plain `gate_proj` and `up_proj`"),
-        (linear_experts, "llama", r"`llama` has no experts with the standard fused layout"),
+        (linear_experts, "llama", r"`llama` has no fused experts that are sets of gated linear layers"),
         pytest.param(
             linear_experts,
-            "granitemoe",
-            r"`granitemoe` uses the regular expression",
-            marks=requires_fused_experts,
+            "kimi_linear",
+            r"`kimi_linear` uses the regular expression",
+            marks=[requires_fused_experts, pytest.mark.skipif(**_lacks("kimi_linear"))],
         ),
     ],
 )
@@ -341,12 +347,30 @@ def test_per_expert_forward_skips_the_expert_parallel_sentinel() -> None:
 
 
 @requires_fused_experts
-def test_experts_with_another_layout_are_refused_with_the_reason() -> None:
-    config = family("gpt_oss").config()
+def test_experts_that_end_in_a_norm_are_refused_with_the_reason() -> None:
+    if (why := missing_model_type("muse_spark_text")) is not None:
+        pytest.skip(why)
+    from transformers.models.muse_spark.modeling_muse_spark import MuseSparkExperts
+
     with pytest.raises(
-        UnsupportedFamilyError, match=r"`GptOssExperts` cannot become per-expert.*`has_bias` is True"
+        UnsupportedFamilyError,
+        match=r"`MuseSparkExperts` cannot become per-expert.*`has_post_expert_norm` is True",
     ):
-        linear_experts_class(GptOssExperts)(config)
+        linear_experts_class(MuseSparkExperts)(tiny_config("muse_spark_text"))
+
+
+@requires_fused_experts
+def test_gpt_oss_experts_become_biased_linear_layers_with_its_clamped_swiglu() -> None:
+    """Refused before (transposed, interleaved, biased); each expert now has biased layers and
+    calls GPT-OSS's own `_apply_gate` (alpha/limit clamp)."""
+    config = family("gpt_oss").config()
+    experts = linear_experts_class(GptOssExperts)(config)
+    assert experts[0].gate_proj.bias is not None and experts[0].down_proj.bias is not None
+    assert experts[0]._gate.function is GptOssExperts._apply_gate
+    assert (experts[0]._gate.settings.alpha, experts[0]._gate.settings.limit) == (
+        config.swiglu_alpha,
+        config.swiglu_limit,
+    )
 
 
 @requires_fused_experts

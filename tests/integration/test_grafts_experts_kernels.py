@@ -16,15 +16,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from _versions import requires_fused_experts
+from _versions import missing_model_type, requires_fused_experts
 from families import family
 from modelgraft.grafts import _grouped_experts, linear_experts
-from modelgraft.grafts.linear_experts import ExpertsImplementationError
+from modelgraft.grafts._expert_layouts import clamped_swiglu
+from modelgraft.grafts.linear_experts import ExpertsImplementationError, FamilyGate, LinearExpert
 
 pytestmark = requires_fused_experts
 
 ATOL = 1e-5
-FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
+# gpt_oss: transposed, interleaved, biased experts with a clamped gate; minimax_m3_vl_text: a
+# family's own `_apply_gate` (both run the grouped path with their biases and gates)
+FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss", "minimax_m3_vl_text")
 PATHS = ("grouped_linear_forward", "sorted_forward", "eager_forward")
 
 
@@ -92,6 +95,8 @@ def _same(got: torch.Tensor, expected: torch.Tensor) -> None:
 def test_each_implementation_runs_its_path_with_the_plain_models_logits_and_gradients(
     implementation: str, path: str, model_type: str, checkpoint, calls: dict[str, int]
 ) -> None:
+    if (why := missing_model_type(model_type)) is not None:
+        pytest.skip(why)
     source = checkpoint(model_type)
     plain = _load(source, experts_implementation=implementation)
     grafted = _load(source, model_type, experts_implementation=implementation)
@@ -205,3 +210,44 @@ def test_bf16_experts_with_float32_routing_weights_match_eager() -> None:
             continue
         assert got.dtype == torch.bfloat16 and got.shape == expected.shape and torch.isfinite(got).all()
         torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("inter", [8, 6])  # 6: fp32 rows of 24 bytes, which the CPU grouped kernel refuses
+def test_grouped_path_adds_biases_and_runs_the_family_gate_as_eager_does(inter: int) -> None:
+    torch.manual_seed(0)
+    gate = FamilyGate(clamped_swiglu, {"alpha": 1.702, "limit": 0.5}, interleaved=True)  # a limit that clamps
+    experts = [LinearExpert(8, inter, None, bias=True, gate=gate) for _ in range(4)]
+    with torch.no_grad():
+        for expert in experts:
+            for layer in (expert.gate_proj, expert.up_proj, expert.down_proj):
+                layer.bias.normal_()
+    layers = [(e.gate_proj, e.up_proj, e.down_proj) for e in experts]
+    x = torch.randn(10, 8)
+    ids = torch.randint(0, 4, (10, 3))
+    ids[4, 2] = -1  # the expert-parallel sentinel
+    weights = torch.rand(10, 3)
+    expected = _grouped_experts.eager_forward(lambda e, h: experts[e](h), 4, x, ids, weights)
+    grouped = _grouped_experts.grouped_linear_forward(layers, None, x, ids, weights, gate=gate)
+    if grouped is None:  # no grouped kernel for these strides: the experts then run the sorted loop
+        assert inter == 6
+    else:
+        _same(grouped, expected)
+
+
+# None: transformers' default; an explicit "grouped_mm" transformers itself refuses for Llama 4
+@pytest.mark.parametrize("implementation", [None, "eager", "batched_mm"])
+def test_llama4_experts_run_every_expert_on_its_block_whatever_the_setting(
+    implementation: str | None, checkpoint, calls: dict[str, int]
+) -> None:
+    """Llama 4's plain experts have no kernel choice (a dense call on router-scaled inputs): the
+    grafted ones run the same call under any setting, with the plain model's logits."""
+    source = checkpoint("llama4_text")
+    kwargs = {} if implementation is None else {"experts_implementation": implementation}
+    plain = _load(source, **kwargs).eval()
+    grafted = _load(source, "llama4_text", **kwargs).eval()
+    inputs = family("llama4_text").inputs(plain.config)
+    calls.clear()
+    with torch.no_grad():
+        _same(grafted(**inputs).logits, plain(**inputs).logits)
+    assert not calls, calls  # no routed path: every expert runs on its own block
+    assert any(type(m).__name__ == "LinearLlama4TextExperts" for m in grafted.modules())

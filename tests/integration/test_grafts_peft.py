@@ -4,7 +4,9 @@ A LoRA config or adapter written for the plain model works on a ``fused_qkv``/``
 model with the plain model's outputs; an adapter trained on a grafted model saves under the plain
 model's names and loads on the plain model with the same outputs; merging writes the adapter into
 the fused layer, and the merged grafted model saves the plain model's merged checkpoint. LoRA on
-``linear_experts`` experts wraps each expert's layers, merges and saves.
+``linear_experts`` experts wraps each expert's layers, merges and saves, in the standard layout
+and in declared ones (biased and interleaved GPT-OSS experts, Llama 4's dense call, a family's
+own gate).
 
 Every comparison is against the plain model on shapes, dtypes, finiteness and fp32 values.
 """
@@ -21,7 +23,14 @@ from transformers import AutoModelForCausalLM
 
 from _versions import TRANSFORMERS_VERSION, requires_fused_experts
 from families import family
-from modelgraft.grafts import FusionError, Graft, fused_gate_up, fused_qkv, linear_experts
+from modelgraft.grafts import (
+    LINEAR_EXPERTS_FAMILIES,
+    FusionError,
+    Graft,
+    fused_gate_up,
+    fused_qkv,
+    linear_experts,
+)
 from modelgraft.grafts.linear_experts import ExpertsAdapterError
 
 peft = pytest.importorskip("peft", reason=f"peft is not installed (transformers {TRANSFORMERS_VERSION})")
@@ -216,11 +225,19 @@ def test_modules_to_save_on_a_fused_part_is_refused(checkpoint) -> None:
         get_peft_model(_load(path, fused_qkv("llama")), config)
 
 
-EXPERT_FAMILIES = ("qwen3_moe", "mixtral")
+def _expert_params() -> list[object]:
+    """The standard layout (fused on 5.x only), and declared layouts fused on both lines where
+    transformers has them: GPT-OSS (transposed, interleaved, biased, clamped gate; fused
+    checkpoint), Llama 4 (dense call), MiniMax-M3 (its own ``_apply_gate``)."""
+    params: list[object] = [pytest.param(t, marks=requires_fused_experts) for t in ("qwen3_moe", "mixtral")]
+    for model_type in ("gpt_oss", "llama4_text", "minimax_m3_vl_text"):
+        why = f"`linear_experts` does not cover `{model_type}` on transformers {TRANSFORMERS_VERSION}"
+        skip = pytest.mark.skipif(model_type not in LINEAR_EXPERTS_FAMILIES, reason=why)
+        params.append(pytest.param(model_type, marks=skip))
+    return params
 
 
-@requires_fused_experts
-@pytest.mark.parametrize("model_type", EXPERT_FAMILIES)
+@pytest.mark.parametrize("model_type", _expert_params())
 def test_lora_on_linear_experts_wraps_each_expert_merges_and_saves(
     model_type: str, checkpoint, tmp_path: Path
 ) -> None:

@@ -185,14 +185,18 @@ def test_unmatched_keys_are_reported() -> None:
 
 def _graft_live_and_compare(family: Family, graft: object) -> None:
     torch.manual_seed(0)
-    model = family.causal_lm().eval()
+    model = family.model().eval()  # the base model where a text tower has no causal-LM class
     inputs = family.inputs(model.config)
-    with torch.no_grad():
-        before = model(**inputs).logits
+
+    def outputs() -> torch.Tensor:
+        with torch.no_grad():
+            out = model(**inputs)
+        return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+    before = outputs()
     graft_model(model, graft.mapping, conversions=graft.conversions)
     assert report(model).replaced, "nothing was grafted"
-    with torch.no_grad():
-        after = model(**inputs).logits
+    after = outputs()
     torch.testing.assert_close(after, before, atol=1e-5, rtol=0)
 
 

@@ -275,7 +275,7 @@ def test_replay_forces_ids_that_differ_from_the_native_ones(model_type: str) -> 
 @pytest.mark.parametrize("family", family_params(kinds={"moe"}))
 def test_replay_forces_ids_on_the_family_table(family: Family) -> None:
     """The same on tests/families.py's tiny configs (one expert group, top-2: the DeepSeek-V3 trap)."""
-    model = family.causal_lm().eval()
+    model = family.model().eval()
     try:
         layers = moe_layers(model)
     except RoutingError as exc:

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from weight_sync_helpers import assert_matches_plain
 
 from _versions import requires_fused_experts
-from families import family
+from families import auto_class, family
 from modelgraft import (
     ConversionError,
     ConversionOperation,
@@ -62,7 +62,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tupl
     def make(model_type: str) -> tuple[Path, torch.nn.Module]:
         if model_type not in made:
             torch.manual_seed(0)
-            model = family(model_type).causal_lm().eval()
+            model = family(model_type).model().eval()  # the base model where there is no causal LM
             path = tmp_path_factory.mktemp(f"sync-{model_type}")
             model.save_pretrained(path)
             made[model_type] = (path, model)
@@ -74,7 +74,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tupl
 def _grafted(how: str, graft: Graft, path: Path, plain: torch.nn.Module) -> torch.nn.Module:
     if how == "load":
         with graft.applied(strict=True):
-            return AutoModelForCausalLM.from_pretrained(path).eval()
+            return auto_class(plain.config).from_pretrained(path).eval()
     model = copy.deepcopy(plain)
     graft_model(model, graft)
     assert any(isinstance(m, tuple(graft.mapping.values())) for m in model.modules())

@@ -11,7 +11,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import modelgraft
 from families import FAMILIES as TEST_FAMILIES
-from modelgraft import _families
+from modelgraft import _compat, _families
 from modelgraft.grafts import (
     CHUNKED_LM_LOSS_FAMILIES,
     FUSED_GATE_UP_FAMILIES,
@@ -96,3 +96,37 @@ def test_every_tiny_fix_of_a_row_reaches_its_config(row: _families.Family) -> No
 def test_a_graft_name_that_is_not_ready_made_is_refused() -> None:
     with pytest.raises(ValueError, match=r"`fused_everything` is not a ready-made graft"):
         _families.covered_by("fused_everything")
+
+
+@pytest.mark.parametrize("name", [_families.FUSED_QKV, _families.FUSED_GATE_UP, _families.LINEAR_EXPERTS])
+def test_a_default_family_list_names_only_model_types_the_installed_transformers_has(name: str) -> None:
+    missing = [t for t in _families.covered_by(name) if t not in CONFIG_MAPPING]
+    assert not missing, missing
+
+
+def test_linear_experts_covers_on_4_57_only_families_per_expert_or_still_fused_there() -> None:
+    covered = _families.covered_by(_families.LINEAR_EXPERTS)
+    if _compat.FUSED_MOE_EXPERTS:
+        assert {"gpt_oss", "llama4_text", "granitemoe", "aria_text"} <= set(covered)
+        return
+    per_expert = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "deepseek_v2", "deepseek_v3")
+    assert set(per_expert) <= set(covered)
+    assert "gpt_oss" in covered and "llama4_text" in covered  # fused on 4.57 too
+    for model_type in ("granitemoe", "granitemoeshared", "qwen3_vl_moe_text", "aria_text"):
+        assert model_type not in covered, model_type  # a layout of their own on 4.57
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [f.model_type for f in _families.FAMILIES if f.model_type.startswith(("deepseek_v", "glm4_moe_lite"))],
+)
+def test_every_latent_attention_config_gets_the_tiny_mla_sizes(model_type: str) -> None:
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers has no `{model_type}` here")
+    config = tiny_config(model_type)
+    assert (config.qk_rope_head_dim, config.qk_nope_head_dim, config.kv_lora_rank, config.v_head_dim) == (
+        8,
+        8,
+        16,
+        16,
+    )

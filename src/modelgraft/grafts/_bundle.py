@@ -205,12 +205,22 @@ def _builtin_conversions(model_type: str) -> tuple[Any, ...]:
     """
     entries = _compat.builtin_checkpoint_conversions(model_type)
     renamings: list[tuple[list[str], list[str]]] = []
+    from_regex: list[tuple[str, list[str]]] = []
     converters: list[tuple[list[str], list[str], list[Any]]] = []
     for entry in entries:
         sources = [_plain(p, model_type) for p in entry.source_patterns]
         targets = [_plain(p, model_type) for p in entry.target_patterns]
-        if type(entry).__name__ == "WeightRenaming":
+        if type(entry).__name__ in ("WeightRenaming", "PrefixChange"):
             renamings.append((sources, targets))
+            open_ended = [
+                p
+                for p in entry.source_patterns
+                if not _PLAIN_PATTERN.match(p.strip("."))
+                and not p.endswith("\\.")
+                and not _PREFIX_CAPTURE.match(p)
+            ]
+            if open_ended:
+                from_regex.append((open_ended[0], targets))
             continue
         ops = []
         for op in entry.operations:
@@ -226,6 +236,18 @@ def _builtin_conversions(model_type: str) -> tuple[Any, ...]:
                 )
         converters.append((sources, targets, ops))
     keys = [name for name, _ in meta_model(model_type).named_parameters()] if renamings else []
+    # A regular expression that does not end on a `\\.` can match inside a key segment
+    # (`\\.hc_pre\\.hc_` renames `hc_pre.hc_fn` to `hc_fn`); as a dotted pattern it would not.
+    # Carried over only where its target names whole segments of the model's keys.
+    for pattern, targets in from_regex:
+        model = meta_model(model_type)
+        names = [*keys, *(name for name, _ in model.named_buffers())]
+        if not any(_contains(key, t) for key in names for t in targets):
+            raise UnsupportedFamilyError(
+                f"transformers' conversion for `{model_type}` renames with the regular expression `{pattern}`, "
+                f"whose target `{targets[0]}` is not a run of whole key segments of the model; grafts only carry "
+                "over renamings of whole segments."
+            )
     out: list[Any] = []
     for sources, targets, ops in converters:
         for (old,), (new,) in (r for r in renamings if len(r[0]) == 1 and len(r[1]) == 1):
@@ -249,14 +271,26 @@ def _contains(key: str, run: str) -> bool:
     return re.search(rf"(?:^|\.){re.escape(run)}(?:\.|$)", key) is not None
 
 
+# A regular expression that is only a dotted key (``block_sparse_moe\\.input_linear\\.weight``,
+# ``\\.experts\\.``) means the same as that key matched on segment boundaries, which is how
+# modelgraft matches; so does a prefix capture (``^model\\.language_model\\.(.+)`` -> ``model.\\1``).
+_ESCAPED_DOTTED = re.compile(r"^(?:\\\.)?([A-Za-z0-9_]+(?:\\\.[A-Za-z0-9_]+)*)(?:\\\.)?$")
+_PREFIX_CAPTURE = re.compile(r"^\^([A-Za-z0-9_]+(?:\\\.[A-Za-z0-9_]+)*)\\\.\(\.\+\)$")
+_PREFIX_TARGET = re.compile(r"^([A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*)\.\\1$")
+
+
 def _plain(pattern: str, model_type: str) -> str:
     text = pattern.strip(".")
-    if not _PLAIN_PATTERN.match(text):
-        raise UnsupportedFamilyError(
-            f"transformers' conversion for `{model_type}` uses the regular expression `{pattern}`; "
-            "grafts only carry over plain dotted patterns."
-        )
-    return text
+    if _PLAIN_PATTERN.match(text):
+        return text
+    for form in (_ESCAPED_DOTTED, _PREFIX_CAPTURE, _PREFIX_TARGET):
+        found = form.match(pattern)
+        if found:
+            return found.group(1).replace("\\.", ".")
+    raise UnsupportedFamilyError(
+        f"transformers' conversion for `{model_type}` uses the regular expression `{pattern}`; "
+        "grafts only carry over plain dotted patterns."
+    )
 
 
 def _merges_experts(converter: Any) -> bool:

@@ -10,7 +10,8 @@ transformers 5 runs its fused experts with the kernel named by ``config._experts
   every expert layer is a plain ``nn.Linear`` and torch has a grouped matmul for the device and
   dtype, the experts' weights are stacked (one copy; the backward hands each layer its own
   gradient) and each projection is ONE ``grouped_mm`` over the sorted pairs, as in the plain
-  model. Otherwise (a LoRA wrapper, a quantized or hooked layer), each active expert module
+  model; biases (GPT-OSS) are added per sorted row and a family's own gated activation
+  (GPT-OSS's clamped SwiGLU) runs on the gate and up outputs, as transformers' kernel does. Otherwise (a LoRA wrapper, a quantized or hooked layer), each active expert module
   runs once over its contiguous slice of sorted pairs, so wrappers see their inputs as on any
   ``nn.Linear``. The weighted outputs are summed per token in top-k order, as the plain model does.
 
@@ -166,13 +167,18 @@ def _grouped_mm() -> Callable[..., torch.Tensor] | None:
 
 def grouped_linear_forward(
     layers: Sequence[tuple[nn.Linear, nn.Linear, nn.Linear]],
-    act_fn: nn.Module,
+    act_fn: nn.Module | None,
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
+    gate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """One grouped matmul per projection over the sorted pairs; ``None`` where torch has none for
-    this device and dtype (the caller then runs :func:`sorted_forward`)."""
+    this device and dtype (the caller then runs :func:`sorted_forward`).
+
+    ``act_fn(gate) * up`` is the gated activation, or ``gate(gate_out, up_out)`` when given (a
+    family's own). Layers with biases (all or none) have them added to each sorted row.
+    """
     grouped_mm = _grouped_mm()
     if grouped_mm is None or torch.compiler.is_compiling():
         return None
@@ -186,10 +192,21 @@ def grouped_linear_forward(
     gate_up = torch.stack([w.weight for g, u, _ in layers for w in (g, u)]).unflatten(0, (num_experts, 2))
     gate_up = gate_up.flatten(1, 2)
     down = torch.stack([d.weight for _, _, d in layers])
+    biased = layers[0][0].bias is not None
+    if biased:
+        # Each sorted row's expert, to add that expert's biases (as transformers' kernel does).
+        row_experts = torch.repeat_interleave(torch.arange(num_experts, device=counts.device), counts)
+        gate_up_bias = torch.stack([torch.cat([g.bias, u.bias]) for g, u, _ in layers])[row_experts]
+        down_bias = torch.stack([d.bias for _, _, d in layers])[row_experts]
     try:
         projected = grouped_mm(tokens, gate_up.transpose(-2, -1), offs=offsets)
-        gate, up = projected.chunk(2, dim=-1)
-        sorted_out = grouped_mm(act_fn(gate) * up, down.transpose(-2, -1), offs=offsets)
+        if biased:
+            projected = projected + gate_up_bias
+        gate_out, up_out = projected.chunk(2, dim=-1)
+        activated = gate(gate_out, up_out) if gate is not None else act_fn(gate_out) * up_out  # type: ignore[misc]
+        sorted_out = grouped_mm(activated, down.transpose(-2, -1), offs=offsets)
+        if biased:
+            sorted_out = sorted_out + down_bias
     except (RuntimeError, NotImplementedError):
         # No kernel for this device, dtype or alignment (CPU needs 16-byte strides): nothing was
         # changed, and the caller runs the sorted loop.

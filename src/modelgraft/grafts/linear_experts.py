@@ -9,10 +9,17 @@ three ``nn.Linear`` layers, and the same forward signature
 ``(hidden_states, top_k_index, top_k_weights)``.
 
 The per-expert layers are named as in the family's checkpoints (``gate_proj``/``up_proj``/
-``down_proj``; ``w1``/``w3``/``w2`` for Mixtral-style checkpoints), which transformers 5 still
-writes per expert. Loading therefore needs no tensor conversion at all: the graft's conversions
-are transformers' own for that model type minus its expert merges (renamings such as
-``block_sparse_moe`` -> ``mlp`` stay).
+``down_proj``; ``w1``/``w3``/``w2`` for Mixtral-style checkpoints). Where transformers 5 still
+writes experts per expert, loading needs no tensor conversion at all: the graft's conversions are
+transformers' own for that model type minus its expert merges (renamings such as
+``block_sparse_moe`` -> ``mlp`` stay). Families whose checkpoints hold the fused tensors, and
+layouts other than the standard one (transposed, interleaved, biased, Llama 4's dense call; see
+:mod:`modelgraft.grafts._expert_layouts`), get exactly reversible converters instead.
+
+The experts run by transformers' ``experts_implementation`` (:mod:`modelgraft.grafts._grouped_experts`):
+``grouped_mm`` and ``eager`` are honoured (biases and a family's own gate included), anything
+else is refused. Experts whose plain class has no kernel choice (Llama 4's dense call; every
+family on transformers 4.57) run as the plain ones do whatever the config says.
 
 Example:
     >>> from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
@@ -24,6 +31,8 @@ Example:
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
@@ -31,6 +40,7 @@ from torch.nn.modules import module as _torch_module
 from modelgraft import _compat
 from modelgraft._families import LINEAR_EXPERTS, covered_by
 from modelgraft._forksafe import ForkSafeLock
+from modelgraft.errors import RoutingError
 from modelgraft.grafts import _grouped_experts as _grouped
 from modelgraft.grafts import _peft
 from modelgraft.grafts._bundle import (
@@ -39,7 +49,15 @@ from modelgraft.grafts._bundle import (
     _Part,
     builtin_expert_names,
     find_modules,
+    meta_model,
     original_class,
+)
+from modelgraft.grafts._expert_layouts import (
+    ACTIVATIONS,
+    ExpertLayout,
+    fused_checkpoint_converters,
+    layout_of,
+    split_fused,
 )
 from modelgraft.grafts._grouped_experts import ExpertsImplementationError
 from modelgraft.grafts._peft import ExpertsAdapterError
@@ -49,6 +67,7 @@ __all__ = [
     "LINEAR_EXPERTS_FAMILIES",
     "ExpertsAdapterError",
     "ExpertsImplementationError",
+    "FamilyGate",
     "LinearExpert",
     "linear_experts",
     "linear_experts_class",
@@ -56,70 +75,132 @@ __all__ = [
 
 DEFAULT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
-#: Model types :func:`linear_experts` covers by default (each one tested).
+#: Model types :func:`linear_experts` covers by default on the installed transformers (each one
+#: tested): the family table's rows for this graft. Families checkpointed per expert or fused, in
+#: the standard layout or one declared in :mod:`modelgraft.grafts._expert_layouts`; on
+#: transformers 4.57 only those whose experts are per expert already or still fused there.
 LINEAR_EXPERTS_FAMILIES: tuple[str, ...] = covered_by(LINEAR_EXPERTS)
 
 
 class LinearExpert(nn.Module):
-    """One expert: ``down(act(gate(x)) * up(x))`` with three bias-free ``nn.Linear`` layers.
+    """One expert: ``down(act(gate(x)) * up(x))`` with three ``nn.Linear`` layers.
 
     Args:
         hidden: model width.
         intermediate: expert width.
         act_fn: the activation module of the original experts.
         names: attribute names of the gate, up and down layers.
+        bias: whether the three layers have biases (GPT-OSS).
+        gate: the family's own gated activation (see :class:`FamilyGate`), used instead of
+            ``act_fn(gate) * up`` when the family overrides ``_apply_gate``.
     """
 
     def __init__(
         self,
         hidden: int,
         intermediate: int,
-        act_fn: nn.Module,
+        act_fn: nn.Module | None,
         names: tuple[str, str, str] = DEFAULT_NAMES,
+        bias: bool = False,
+        gate: FamilyGate | None = None,
     ) -> None:
         super().__init__()
-        gate, up, down = names
-        setattr(self, gate, nn.Linear(hidden, intermediate, bias=False))
-        setattr(self, up, nn.Linear(hidden, intermediate, bias=False))
-        setattr(self, down, nn.Linear(intermediate, hidden, bias=False))
+        gate_name, up, down = names
+        setattr(self, gate_name, nn.Linear(hidden, intermediate, bias=bias))
+        setattr(self, up, nn.Linear(hidden, intermediate, bias=bias))
+        setattr(self, down, nn.Linear(intermediate, hidden, bias=bias))
         self.act_fn = act_fn
         self._names = names
+        self._gate = gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self._names)
+        if self._gate is not None:
+            return down(self._gate(gate(x), up(x)))
         return down(self.act_fn(gate(x)) * up(x))
+
+
+class FamilyGate:
+    """A family's own ``_apply_gate``, called on separate gate and up outputs.
+
+    The outputs are laid out as the family's fused ``gate_up`` output (concatenated or
+    interleaved, a pure copy) and handed to its ``_apply_gate`` with the scalar settings and
+    parameter-free modules of the original experts (``alpha``, ``limit``, ``act_fn``), so the
+    activation is the family's code, not a re-implementation.
+    """
+
+    def __init__(self, function: object, settings: dict[str, object], interleaved: bool) -> None:
+        self.function = function
+        self.settings = types.SimpleNamespace(**settings)
+        self.interleaved = interleaved
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.interleaved:
+            joined = torch.stack([gate, up], dim=-1).flatten(-2)
+        else:
+            joined = torch.cat([gate, up], dim=-1)
+        return self.function(self.settings, joined)
 
 
 def _default_apply_gate() -> object:
     return _compat.default_apply_gate()  # None on older transformers: only the default gate exists
 
 
+def _family_gate(experts: nn.Module, layout: ExpertLayout) -> FamilyGate | None:
+    """The family's own gated activation, or ``None`` where it is transformers' default."""
+    default_gate = _default_apply_gate()
+    function = getattr(type(experts), "_apply_gate", None)
+    if function is None and layout.activation is not None:
+        function = ACTIVATIONS[layout.activation]
+    if function is None or function is default_gate:
+        return None
+    settings: dict[str, object] = {
+        k: v for k, v in vars(experts).items() if not k.startswith("_") and not isinstance(v, torch.Tensor)
+    }
+    for name, child in experts.named_children():
+        settings[name] = child
+    return FamilyGate(function, settings, layout.interleaved)
+
+
 def _layout_problem(experts: nn.Module) -> str | None:
-    """Why ``experts`` is not the standard fused layout (``None`` when it is)."""
+    """Why ``experts`` cannot become per-expert linear layers (``None`` when it can)."""
+    layout = layout_of(experts)
     gate_up = getattr(experts, "gate_up_proj", None)
     down = getattr(experts, "down_proj", None)
     if not isinstance(gate_up, nn.Parameter) or not isinstance(down, nn.Parameter):
         return "it has no 3D `gate_up_proj` and `down_proj` parameters"
     if gate_up.dim() != 3 or down.dim() != 3:
         return "its `gate_up_proj`/`down_proj` are not 3D"
-    for flag, standard in (
-        ("has_gate", True),
-        ("has_bias", False),
-        ("is_transposed", False),
-        ("is_concatenated", True),
-        ("has_post_expert_norm", False),
-    ):
-        if getattr(experts, flag, standard) != standard:
-            return f"`{flag}` is {not standard}"
-    default_gate = _default_apply_gate()
-    gate_fn = getattr(type(experts), "_apply_gate", default_gate)
-    if default_gate is not None and gate_fn is not default_gate:
-        return "it overrides `_apply_gate` (a custom gated activation)"
-    num, two_inter, hidden = gate_up.shape
-    if two_inter % 2 or tuple(down.shape) != (num, hidden, two_inter // 2):
-        return f"shapes {tuple(gate_up.shape)} and {tuple(down.shape)} do not fit (E, 2I, H) and (E, H, I)"
-    if not isinstance(getattr(experts, "act_fn", None), nn.Module):
+    if layout is None:
+        return (
+            "its storage is not declared (no `use_experts_implementation` flags and no entry in "
+            "`modelgraft.grafts._expert_layouts.LAYOUTS`)"
+        )
+    if not getattr(experts, "has_gate", True):
+        return "`has_gate` is False (an expert is `down(act(up(x)))`, not a gated layer)"
+    if getattr(experts, "has_post_expert_norm", False):
+        return "`has_post_expert_norm` is True (each expert ends in a norm, not a linear layer)"
+    if layout.bias:
+        for name in ("gate_up_proj_bias", "down_proj_bias"):
+            if not isinstance(getattr(experts, name, None), nn.Parameter):
+                return f"it declares biases but has no `{name}` parameter"
+    parts = split_fused(experts, layout)
+    num, inter, hidden = parts["gate"].shape
+    if tuple(parts["down"].shape) != (num, hidden, inter) or parts["up"].shape != parts["gate"].shape:
+        return (
+            f"shapes {tuple(gate_up.shape)} and {tuple(down.shape)} do not fit the declared layout "
+            f"{layout} of (E, 2I, H) and (E, H, I)"
+        )
+    gate = _family_gate(experts, layout)
+    if gate is None and not isinstance(getattr(experts, "act_fn", None), nn.Module):
         return "it has no `act_fn` module"
+    if gate is not None:
+        try:
+            with torch.device("meta"):
+                probe = torch.empty(1, inter)
+                gate(probe, probe)
+        except Exception as exc:  # the family's activation reads something a copy cannot carry
+            return f"its `_apply_gate` cannot run on separate gate/up outputs ({type(exc).__name__}: {exc})"
     return None
 
 
@@ -139,26 +220,38 @@ class _LinearExpertsBase(nn.ModuleList):
         if problem is not None:
             raise UnsupportedFamilyError(
                 f"`{original.__name__}` cannot become per-expert `nn.Linear` layers: {problem}. Expected "
-                "the standard layout `gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I) without bias."
+                "3D `gate_up_proj` and `down_proj` in the standard layout (E, 2I, H) and (E, H, I) or one "
+                "declared in `modelgraft.grafts._expert_layouts`."
             )
         self._setup(probe)
 
     def _setup(self, probe: nn.Module) -> None:
         _peft.ensure_installed()  # PEFT must keep the expert names as module targets here
-        num, two_inter, hidden = probe.gate_up_proj.shape
+        layout = layout_of(probe)
+        num, inter, hidden = split_fused(probe, layout)["gate"].shape
         self.num_experts = num
         self.hidden_dim = hidden
-        self.intermediate_dim = two_inter // 2
+        self.intermediate_dim = inter
+        self._dense_call = layout.call == "dense"
+        self._weights_by_expert = layout.call == "routed_by_expert"
+        self._bias = layout.bias
         # transformers' kernel choice lives on the config (`experts_implementation=`), as for the
-        # fused experts: it is honoured or refused here, and again at every forward.
-        self.config = getattr(probe, "config", None)
+        # fused experts: it is honoured or refused here, and again at every forward. Experts
+        # without a config of their own (Llama 4, 4.57) have no kernel choice in transformers.
+        self.config = probe.__dict__.get("config")
         _grouped.check_implementation(self)
-        act_fn = probe.act_fn
+        gate = _family_gate(probe, layout)
+        act_fn = getattr(probe, "act_fn", None) if gate is None else None
         for _ in range(num):
-            self.append(LinearExpert(hidden, two_inter // 2, act_fn, self._expert_names))
+            self.append(LinearExpert(hidden, inter, act_fn, self._expert_names, layout.bias, gate))
 
     def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor | None = None,
+        top_k_weights: torch.Tensor | None = None,
+        router_indices: torch.Tensor | None = None,
+        routing_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Route each token to its ``top_k`` experts and sum their weighted outputs.
 
@@ -167,7 +260,44 @@ class _LinearExpertsBase(nn.ModuleList):
             top_k_index: ``(num_tokens, top_k)`` expert ids; ids outside ``[0, num_experts)``
                 (the expert-parallel sentinel) are skipped, as in transformers.
             top_k_weights: ``(num_tokens, top_k)`` routing weights.
+
+        ``router_indices``/``routing_weights`` are GPT-OSS's names for the same two (it passes them
+        by keyword on transformers 4.57). Routed experts run by the configured
+        ``experts_implementation`` (``eager``, or ``grouped_mm``: a grouped matmul where every
+        expert layer is a plain ``nn.Linear``, else the sorted-token loop). Llama 4's experts take
+        no routing: ``hidden_states`` is ``(num_experts * tokens, hidden)``, already scaled by the
+        router, and expert ``e`` runs on block ``e``, as the plain experts do.
+
+        Raises:
+            RoutingError: a routed call without the router's ids or weights.
+            ExpertsImplementationError: the config asks for a kernel per-expert layers cannot run.
         """
+        if self._dense_call:
+            blocks = hidden_states.view(self.num_experts, -1, self.hidden_dim)
+            return torch.cat([expert(block) for expert, block in zip(self, blocks, strict=True)])
+        top_k_index = router_indices if top_k_index is None else top_k_index
+        top_k_weights = routing_weights if top_k_weights is None else top_k_weights
+        if top_k_index is None or top_k_weights is None:
+            raise RoutingError(
+                f"`{type(self).__name__}.forward` needs `top_k_index` and `top_k_weights` (the router's "
+                "choice); received `None`."
+            )
+        if self._weights_by_expert:
+            # GPT-OSS on 4.57: (batch, seq, hidden) in and out, and the weights scattered to
+            # (tokens, num_experts); each pair's weight is read back at its expert id (exactly).
+            # An id outside [0, num_experts) (its masking index) reads a clamped place; every path
+            # skips such a pair, so that weight is never used.
+            shape = hidden_states.shape
+            flat = hidden_states.reshape(-1, self.hidden_dim)
+            ids = top_k_index.reshape(flat.shape[0], -1)
+            weights = top_k_weights.reshape(flat.shape[0], -1).gather(1, ids.clamp(0, self.num_experts - 1))
+            return self._route(flat, ids, weights).view(shape)
+        return self._route(hidden_states, top_k_index, top_k_weights)
+
+    def _route(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts' output by the configured ``experts_implementation``."""
         implementation = _grouped.check_implementation(self)
         if implementation == "eager":
             return _grouped.eager_forward(
@@ -175,8 +305,9 @@ class _LinearExpertsBase(nn.ModuleList):
             )
         layers = self._plain_layers()
         if layers is not None:
+            first = self[0]
             out = _grouped.grouped_linear_forward(
-                layers, self[0].act_fn, hidden_states, top_k_index, top_k_weights
+                layers, first.act_fn, hidden_states, top_k_index, top_k_weights, gate=first._gate
             )
             if out is not None:
                 return out
@@ -188,19 +319,28 @@ class _LinearExpertsBase(nn.ModuleList):
     def _plain_layers(self) -> list[tuple[nn.Linear, nn.Linear, nn.Linear]] | None:
         """Each expert's (gate, up, down) when all are untouched ``nn.Linear`` layers, else ``None``.
 
-        Only then may their weights be stacked for a grouped matmul: a wrapped (LoRA), quantized
-        or hooked layer must be called as a module, so that its own computation runs.
+        Only then may their weights (and biases) be stacked for a grouped matmul: a wrapped
+        (LoRA), quantized or hooked layer must be called as a module, so that its own computation
+        runs. Every expert must share one activation (``act_fn`` or the family's gate), as built.
         """
         if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
             return None
-        act_fn = self[0].act_fn if len(self) else None
+        if not len(self):
+            return None
+        act_fn, gate = self[0].act_fn, self[0]._gate
         layers = []
         for expert in self:
-            if type(expert) is not LinearExpert or expert.act_fn is not act_fn or _hooked(expert):
+            if (
+                type(expert) is not LinearExpert
+                or expert.act_fn is not act_fn
+                or expert._gate is not gate
+                or _hooked(expert)
+            ):
                 return None
             found = tuple(expert._modules.get(name) for name in self._expert_names)
             if any(
-                type(layer) is not nn.Linear or layer.bias is not None or _hooked(layer) for layer in found
+                type(layer) is not nn.Linear or (layer.bias is not None) != self._bias or _hooked(layer)
+                for layer in found
             ):
                 return None
             layers.append(found)
@@ -260,17 +400,42 @@ def _part(model_type: str) -> _Part:
     found = find_modules(model_type, _is_fused_experts)
     if not found:
         raise UnsupportedFamilyError(
-            f"`{model_type}` has no experts with the standard fused layout; the per-expert graft cannot "
-            f"apply. Families known to work: {', '.join(LINEAR_EXPERTS_FAMILIES)}."
+            f"`{model_type}` has no fused experts that are sets of gated linear layers; the per-expert graft "
+            f"cannot apply{_why_not(model_type)}. Families known to work: {', '.join(LINEAR_EXPERTS_FAMILIES)}."
         )
     names = builtin_expert_names(model_type)
     if names is None:
+        # transformers writes these experts fused: convert the 3D tensors on load, back on save.
+        mapping = {cls.__name__: linear_experts_class(cls) for cls in found}
+        return _Part(mapping, fused_checkpoint_converters(model_type, found))
+    nonstandard = sorted(
+        {
+            type(m).__name__
+            for m in meta_model(model_type).modules()
+            if original_class(type(m)) in found and layout_of(m) != ExpertLayout()
+        }
+    )
+    if nonstandard:
         raise UnsupportedFamilyError(
-            f"`{model_type}` checkpoints are not stored per expert by transformers (no expert merge in its "
-            "conversion mapping), so per-expert layers would not load from them."
+            f"`{model_type}` checkpoints are merged per expert by transformers into the standard layout, but "
+            f"{', '.join(f'`{n}`' for n in nonstandard)} store another one; expected (E, 2I, H) without bias."
         )
     mapping = {cls.__name__: linear_experts_class(cls, names) for cls in found}
     return _Part(mapping, (), drop_expert_merges=True)
+
+
+def _why_not(model_type: str) -> str:
+    """Why ``model_type``'s experts are refused, as a clause (its experts modules first)."""
+    modules = list(meta_model(model_type).modules())
+    if find_modules(model_type, _is_expert_list):
+        return " (its experts are already a `ModuleList` of per-expert layers: nothing to replace)"
+    modules.sort(key=lambda m: "Expert" not in type(m).__name__)
+    for module in modules:
+        if any(p.dim() == 3 for p in module.parameters(recurse=False)):
+            problem = _layout_problem(module)
+            if problem is not None:
+                return f" (`{type(module).__name__}`: {problem})"
+    return " (no module holds 3D expert parameters)"
 
 
 def linear_experts(*model_types: str) -> Graft:
