@@ -88,7 +88,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma4_text": {"enable_moe_block": True, "per_layer_config": {}},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     "ernie4_5_vl_moe_text": {"moe_intermediate_size": [16, 16]},
-    "mimo_v2_flash": {"head_dim": 24},
+    # Its sliding-window layers double the kv heads: with 2 query heads, 1 kv head keeps both kinds valid.
+    "mimo_v2_flash": {"head_dim": 24, "num_key_value_heads": 1},
     # Sizes the generic table does not name, which leave these families above the tiny cap.
     "deepseek_v4": {"o_lora_rank": 16},
     "inkling2_text": {"unpadded_vocab_size": 128},
