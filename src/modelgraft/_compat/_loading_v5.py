@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any
 
 import torch
@@ -41,6 +42,12 @@ __all__ = [
 ]
 
 _wrappers = WrapGroup("conversion")
+
+# Set while a save applies transformers' built-in reverse to a state dict that modelgraft has
+# already brought back to the plain model's own layout: the built-ins must not be filtered then.
+_BUILTINS_UNFILTERED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "modelgraft_builtins_unfiltered", default=False
+)
 
 
 def builtin_conversion_exists(key: str) -> bool:
@@ -80,7 +87,7 @@ def _wrap_get_model_conversion_mapping(engine: ConversionEngine) -> Any:
     def wrap(original: Any) -> Any:
         def get_model_conversion_mapping(model: Any, *args: Any, **kwargs: Any) -> list:
             transforms = original(model, *args, **kwargs)
-            if not engine.active():
+            if not engine.active() or _BUILTINS_UNFILTERED.get():
                 return transforms
             return _filter_builtins(engine, model, transforms)
 
@@ -182,11 +189,20 @@ def _wrap_revert(engine: ConversionEngine) -> Any:
             rest = {k: state_dict[k] for k in reversed_.untouched}
             rest.update(reversed_.converted)
             root_claimed = "" in reversed_.scope_paths
-            # A root entry is the model's whole mapping: without load-time transforms to undo,
-            # transformers would rebuild its built-in ones from the registry, so skip it. Otherwise
-            # its remaining transforms (renamings of legacy layouts, other sub-models) still apply.
             if root_claimed and getattr(model, "_weight_conversions", None) is None:
-                return rest
+                if reversed_.from_checkpoint:
+                    # Loaded through a root entry, which is the model's whole mapping: `rest` is
+                    # the checkpoint's layout already; transformers' built-ins would undo twice.
+                    return rest
+                # Built with `from_config` and grafted: `rest` is the plain model's own layout,
+                # which the plain model's save turns into the checkpoint's with the built-ins.
+                token = _BUILTINS_UNFILTERED.set(True)
+                try:
+                    return original(model, rest)
+                finally:
+                    _BUILTINS_UNFILTERED.reset(token)
+            # Otherwise the remaining transforms (load-time ones, renamings of legacy layouts,
+            # other sub-models) still apply.
             return original(model, rest)
 
         return revert_weight_conversion

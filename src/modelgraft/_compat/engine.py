@@ -31,6 +31,10 @@ class Reversed(NamedTuple):
     converted: dict[str, torch.Tensor]  # original keys -> tensors, in the state dict's order
     untouched: list[str]  # keys of the state dict that no conversion covers
     scope_paths: list[str]  # module paths of the (sub)models with a conversion entry ("" = root)
+    # True when the model was loaded through modelgraft's conversions: ``converted`` is then in the
+    # checkpoint's layout; else in the plain model's own layout (built with ``from_config`` and
+    # grafted), which transformers' built-in reverse still turns into the checkpoint's.
+    from_checkpoint: bool = True
 
 
 class ConversionEngine(Protocol):

@@ -67,8 +67,8 @@ class _Engine:
         found = reverse_state_dict(model, state_dict)
         if found is None:
             return None
-        converted, untouched, scopes = found
-        return Reversed(converted, untouched, [scope.path for scope in scopes])
+        converted, untouched, scopes, from_checkpoint = found
+        return Reversed(converted, untouched, [scope.path for scope in scopes], from_checkpoint)
 
     def report_problem(self, model: torch.nn.Module, message: str) -> None:
         _report_for(model).problems.append(message)

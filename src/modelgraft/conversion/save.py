@@ -125,12 +125,15 @@ def _reverse_group(group: Group, state_dict: Mapping[str, torch.Tensor]) -> dict
 
 def reverse_state_dict(
     model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]
-) -> tuple[dict[str, torch.Tensor], list[str], list[Scope]] | None:
+) -> tuple[dict[str, torch.Tensor], list[str], list[Scope], bool] | None:
     """Reverse the model's conversions in ``state_dict``.
 
-    Returns ``(converted, untouched_keys, scopes)``: ``converted`` maps original keys to tensors
-    (in the state dict's order), ``untouched_keys`` are keys of ``state_dict`` no conversion
-    covers. ``None`` when no conversion entry applies to the model.
+    Returns ``(converted, untouched_keys, scopes, from_checkpoint)``: ``converted`` maps original
+    keys to tensors (in the state dict's order), ``untouched_keys`` are keys of ``state_dict`` no
+    conversion covers, ``from_checkpoint`` tells whether the model was loaded through modelgraft's
+    conversions (the result is then the checkpoint's layout; otherwise it is the plain model's own
+    layout, which transformers' built-in reverse still has to turn into the checkpoint's). ``None``
+    when no conversion entry applies to the model.
 
     Raises:
         IrreversibleConversionError: an operation without a reverse.
@@ -166,4 +169,4 @@ def reverse_state_dict(
             untouched.append(key)
         else:  # made by undoing an in-place graft: not in the caller's state dict
             converted[key] = work[key]
-    return converted, untouched, state.scopes
+    return converted, untouched, state.scopes, state.loaded
