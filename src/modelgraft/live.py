@@ -248,7 +248,9 @@ def _matches_by_name(model: torch.nn.Module, snap: Snapshot) -> list[tuple[str, 
     return found
 
 
-def _ctor_args_from_attributes(module: torch.nn.Module, replacement: type) -> tuple[tuple, dict[str, Any]]:
+def _ctor_args_from_attributes(
+    module: torch.nn.Module, replacement: type
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Recover the original constructor's arguments from attributes named like its parameters."""
     signature = inspect.signature(type(module).__init__)
     kwargs: dict[str, Any] = {}
@@ -335,11 +337,15 @@ def _fill(model: torch.nn.Module, target: _Target, built: torch.nn.Module) -> _F
     )
 
 
-def _as_is(model: torch.nn.Module, target: _Target, live: dict, wanted: dict) -> _Filled | None:
+def _as_is(
+    model: torch.nn.Module, target: _Target, live: dict[Any, Any], wanted: dict[Any, Any]
+) -> _Filled | None:
     return _Filled(dict(live), {k: (k,) for k in live})
 
 
-def _registered(model: torch.nn.Module, target: _Target, live: dict, wanted: dict) -> _Filled | None:
+def _registered(
+    model: torch.nn.Module, target: _Target, live: dict[Any, Any], wanted: dict[Any, Any]
+) -> _Filled | None:
     converters = _converters_for(model, target.path)
     if not converters:
         return None
@@ -347,7 +353,7 @@ def _registered(model: torch.nn.Module, target: _Target, live: dict, wanted: dic
 
 
 def _from_checkpoint_layout(
-    model: torch.nn.Module, target: _Target, live: dict, wanted: dict
+    model: torch.nn.Module, target: _Target, live: dict[Any, Any], wanted: dict[Any, Any]
 ) -> _Filled | None:
     """Undo transformers' own load-time conversion (fused experts), then apply the registered one."""
     checkpoint = _revert_builtin(model, live)

@@ -19,6 +19,7 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -219,7 +220,7 @@ def _short(qualified: str) -> str:
 def diagnose_load(
     model: torch.nn.Module,
     rep: GraftReport,
-    loading_info: dict | None,
+    loading_info: dict[Any, Any] | None,
     scoped_keys: tuple[str, ...] = (),
 ) -> None:
     """Fill ``rep`` with what the replacements broke in this load.
@@ -268,7 +269,9 @@ def diagnose_load(
     _diagnose_missing(model, rep, loading_info, paths)
 
 
-def _diagnose_missing(model: torch.nn.Module, rep: GraftReport, loading_info: dict, paths: list[str]) -> None:
+def _diagnose_missing(
+    model: torch.nn.Module, rep: GraftReport, loading_info: dict[Any, Any], paths: list[str]
+) -> None:
     """Sort every parameter the checkpoint did not fill into ``randomly_initialised`` (the weight init
     filled it) or ``unloaded_parameters`` (nothing did), with one problem sentence per kind.
 

@@ -34,6 +34,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType, TracebackType
+from typing import Any
 
 import torch
 
@@ -202,7 +203,7 @@ class Swap:
         self._extra: dict[str, ModuleType] = {}
         self._applied: list[_Applied] = []
         self._applied_log: list[_Applied] = []  # kept after restore, for reports
-        self._tables: list[tuple[dict, object, type, type]] = []  # class-table entries changed
+        self._tables: list[tuple[dict[Any, Any], object, type, type]] = []  # class-table entries changed
         self._covered: set[str] = set()
         self._depth = 0
         self._owner = 0  # the thread that entered it (a forked child restores other threads' swaps)

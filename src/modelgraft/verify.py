@@ -212,7 +212,7 @@ def _merge_grafts(
     mapping: Mapping[str, type[torch.nn.Module]] | None,
     conversions: Mapping[str, Sequence[Any]] | None,
     graft: Any,
-) -> tuple[dict | None, dict | None]:
+) -> tuple[dict[Any, Any] | None, dict[Any, Any] | None]:
     bundles = [] if graft is None else list(graft) if isinstance(graft, list | tuple) else [graft]
     if len(bundles) > 1 and all(hasattr(b, "__add__") and hasattr(b, "model_types") for b in bundles):
         combined = bundles[0]
@@ -221,8 +221,8 @@ def _merge_grafts(
         bundles = [combined]
     if mapping is None and conversions is None and not bundles:
         return None, None
-    merged_map: dict = dict(mapping or {})
-    merged_conv: dict = {k: list(v) for k, v in (conversions or {}).items()}
+    merged_map: dict[Any, Any] = dict(mapping or {})
+    merged_conv: dict[Any, Any] = {k: list(v) for k, v in (conversions or {}).items()}
     for b in bundles:
         merged_map.update(getattr(b, "mapping", {}) or {})
         for key, convs in (getattr(b, "conversions", {}) or {}).items():
@@ -261,7 +261,7 @@ def _quiet() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _grafting(mapping: dict | None, conversions: dict | None) -> Iterator[None]:
+def _grafting(mapping: dict[Any, Any] | None, conversions: dict[Any, Any] | None) -> Iterator[None]:
     if mapping is None and conversions is None:
         yield  # verify what is registered globally
         return
@@ -276,8 +276,8 @@ def _run(
     config: PretrainedConfig,
     checkpoint: Path | None,
     work: Path,
-    mapping: dict | None,
-    conversions: dict | None,
+    mapping: dict[Any, Any] | None,
+    conversions: dict[Any, Any] | None,
     atol: float,
     rtol: float,
     seed: int,
@@ -352,7 +352,7 @@ def _check_builds(grafted: torch.nn.Module) -> Check:
     return Check("builds", True, f"{len(replaced)} modules replaced: {summary}")
 
 
-def _check_loaded(grafted: torch.nn.Module, second: torch.nn.Module, info: dict | None) -> Check:
+def _check_loaded(grafted: torch.nn.Module, second: torch.nn.Module, info: dict[Any, Any] | None) -> Check:
     rep = report(grafted)
     problems: list[str] = []
     missing = sorted((info or {}).get("missing_keys", ()))

@@ -272,7 +272,7 @@ def defines_layout_moe(source: str) -> bool:
 
 def rebind_class_tables(
     module: ModuleType, swapped: Mapping[type, type]
-) -> list[tuple[dict, Any, type, type]]:
+) -> list[tuple[dict[Any, Any], Any, type, type]]:
     """Point a modeling module's class tables at the replacements of the classes swapped in it.
 
     Old-style 4.57 modeling modules pick some building blocks from a module-level table, e.g.
@@ -304,7 +304,7 @@ def rebind_class_tables(
     return _impl.rebind_class_tables(module, swapped)
 
 
-def restore_class_tables(log: list[tuple[dict, Any, type, type]]) -> None:
+def restore_class_tables(log: list[tuple[dict[Any, Any], Any, type, type]]) -> None:
     """Undo :func:`rebind_class_tables` (entries someone else changed meanwhile are left alone).
 
     Example:

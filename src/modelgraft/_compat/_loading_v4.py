@@ -53,8 +53,8 @@ class _Load:
     """What the inner wrappers of one ``_load_pretrained_model`` call need to share."""
 
     files: list[str] | None
-    state_dict: dict | None
-    device_map: dict | None
+    state_dict: dict[Any, Any] | None
+    device_map: dict[Any, Any] | None
     key_mapping: dict[str, str] | None
     quantizer: Any = None
     consumed: set[str] = field(default_factory=set)

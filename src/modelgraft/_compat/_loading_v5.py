@@ -53,7 +53,7 @@ def builtin_checkpoint_conversions(model_type: str) -> list[Any]:
     return list(_tcm.get_checkpoint_conversion_mapping(model_type) or [])
 
 
-def _signature(transform: Any) -> tuple:
+def _signature(transform: Any) -> tuple[Any, ...]:
     return (
         type(transform).__name__,
         tuple(getattr(transform, "_original_source_patterns", ()) or ()),
@@ -61,11 +61,11 @@ def _signature(transform: Any) -> tuple:
     )
 
 
-def _filter_builtins(engine: ConversionEngine, model: Any, transforms: list) -> list:
+def _filter_builtins(engine: ConversionEngine, model: Any, transforms: list[Any]) -> list[Any]:
     paths = engine.scope_paths(model)
     if not paths:
         return transforms
-    drop: set[tuple] = set()
+    drop: set[tuple[Any, ...]] = set()
     base = getattr(model, "base_model_prefix", "") or ""
     for path in paths:
         sub = model.get_submodule(path) if path else model
@@ -78,7 +78,7 @@ def _filter_builtins(engine: ConversionEngine, model: Any, transforms: list) -> 
 
 def _wrap_get_model_conversion_mapping(engine: ConversionEngine) -> Any:
     def wrap(original: Any) -> Any:
-        def get_model_conversion_mapping(model: Any, *args: Any, **kwargs: Any) -> list:
+        def get_model_conversion_mapping(model: Any, *args: Any, **kwargs: Any) -> list[Any]:
             transforms = original(model, *args, **kwargs)
             if not engine.active():
                 return transforms
@@ -89,7 +89,7 @@ def _wrap_get_model_conversion_mapping(engine: ConversionEngine) -> Any:
     return wrap
 
 
-def _renamer(weight_mapping: list) -> Any:
+def _renamer(weight_mapping: list[Any]) -> Any:
     """The loader's own key renamings (not its converters), as one ``str -> str`` function."""
     renamings = [t for t in weight_mapping if isinstance(t, _tcore.WeightRenaming)]
     if not renamings:
@@ -131,7 +131,7 @@ def _wrap_load_pretrained_model(engine: ConversionEngine) -> Any:
         ) -> Any:
             loading_info, offload_index = original(model, state_dict, checkpoint_files, load_config, *a, **kw)
             if engine.active():
-                offloaded: dict = offload_index if offload_index is not None else {}
+                offloaded: dict[Any, Any] = offload_index if offload_index is not None else {}
 
                 def offload(key: str, tensor: torch.Tensor) -> None:
                     # Converted weights have no range in the checkpoint to point at: written out, as
@@ -175,7 +175,7 @@ def _wrap_post_init(engine: ConversionEngine) -> Any:
 
 def _wrap_revert(engine: ConversionEngine) -> Any:
     def wrap(original: Any) -> Any:
-        def revert_weight_conversion(model: Any, state_dict: dict) -> dict:
+        def revert_weight_conversion(model: Any, state_dict: dict[Any, Any]) -> dict[Any, Any]:
             reversed_ = engine.reverse(model, state_dict)
             if reversed_ is None:
                 return original(model, state_dict)

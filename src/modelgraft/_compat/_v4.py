@@ -51,7 +51,7 @@ _lookup_wrappers = WrapGroup("recorders")
 _RUNNING: ContextVar[tuple[nn.Module, ...]] = ContextVar("modelgraft_running_models", default=())
 
 
-class _InstanceAwareRegistry(dict):
+class _InstanceAwareRegistry(dict[Any, Any]):
     """``_CAN_RECORD_REGISTRY`` whose ``get`` prefers the recorders of a running, tracked model."""
 
     def get(self, key: Any, default: Any = None) -> Any:
@@ -72,14 +72,14 @@ def install_recorder_lookup() -> None:
     replacement object with the same items. On removal both get one plain ``dict`` with the items
     the replacement holds then (models built meanwhile registered theirs in it).
     """
-    shared: dict[str, dict] = {}
+    shared: dict[str, dict[Any, Any]] = {}
 
-    def replace(current: dict) -> dict:
+    def replace(current: dict[Any, Any]) -> dict[Any, Any]:
         if "replacement" not in shared:
             shared["replacement"] = _InstanceAwareRegistry(current)
         return shared["replacement"]
 
-    def restore(replacement: dict) -> dict:
+    def restore(replacement: dict[Any, Any]) -> dict[Any, Any]:
         if "plain" not in shared:
             shared["plain"] = dict(replacement)
         return shared["plain"]
@@ -132,8 +132,8 @@ def install_construction_step(step: Callable[[], AbstractContextManager[Any]]) -
     wrapping ``_from_config`` yourself, so that it runs inside your wrapper.
     """
 
-    def wrap_init_context(original: Callable[..., list]) -> Callable[..., list]:
-        def get_init_context(cls: type, *args: Any, **kwargs: Any) -> list:
+    def wrap_init_context(original: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+        def get_init_context(cls: type, *args: Any, **kwargs: Any) -> list[Any]:
             return [*original(cls, *args, **kwargs), step()]
 
         return get_init_context
@@ -179,9 +179,11 @@ def moe_router_candidates(modules: Mapping[str, nn.Module]) -> Iterator[tuple[st
             yield name, module, parent
 
 
-def rebind_class_tables(module: Any, swapped: Mapping[type, type]) -> list[tuple[dict, Any, type, type]]:
+def rebind_class_tables(
+    module: Any, swapped: Mapping[type, type]
+) -> list[tuple[dict[Any, Any], Any, type, type]]:
     """See :func:`modelgraft._compat.rebind_class_tables`."""
-    log: list[tuple[dict, Any, type, type]] = []
+    log: list[tuple[dict[Any, Any], Any, type, type]] = []
     if not swapped:
         return log
     for name, table in list(vars(module).items()):

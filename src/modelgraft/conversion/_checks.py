@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -91,11 +92,11 @@ def _runs_to(ops: Sequence[object], sources: ShapeGroups, targets: ShapeGroups) 
 # Every layer of a model asks the same question; running the operations on meta tensors costs
 # about a millisecond, so the answer is kept (operations are immutable values).
 @functools.lru_cache(maxsize=256)
-def _runs_to_cached(ops: tuple, sources: tuple, targets: tuple) -> bool:
+def _runs_to_cached(ops: tuple[Any, ...], sources: tuple[Any, ...], targets: tuple[Any, ...]) -> bool:
     return _runs_to_uncached(ops, sources, targets)
 
 
-def _runs_to_uncached(ops: tuple, sources: tuple, targets: tuple) -> bool:
+def _runs_to_uncached(ops: tuple[Any, ...], sources: tuple[Any, ...], targets: tuple[Any, ...]) -> bool:
     tensors = [[torch.empty(s, device="meta") for s in group] for group in sources]
     target_shapes = [[torch.Size(s) for s in group] for group in targets]
     try:

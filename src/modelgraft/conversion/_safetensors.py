@@ -93,7 +93,7 @@ _DTYPES = {
 class SafetensorsFile:
     """The header of one safetensors file, and positional reads of its tensors."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         with open(self.path, "rb") as fh:
             (length,) = struct.unpack("<Q", fh.read(8))

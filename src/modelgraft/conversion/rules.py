@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 from modelgraft import _compat, registry
 from modelgraft.conversion.keys import Pattern, as_patterns
@@ -62,6 +63,12 @@ class WeightConverter:
     """
 
     __slots__ = ("_sources", "_targets", "operations", "source_patterns", "target_patterns")
+
+    source_patterns: tuple[str, ...]
+    target_patterns: tuple[str, ...]
+    operations: tuple[ConversionOperation, ...]
+    _sources: tuple[Pattern, ...]
+    _targets: tuple[Pattern, ...]
 
     def __init__(
         self,
@@ -101,19 +108,19 @@ class WeightConverter:
     def __copy__(self) -> WeightConverter:
         return self
 
-    def __deepcopy__(self, memo: dict) -> WeightConverter:
+    def __deepcopy__(self, memo: dict[Any, Any]) -> WeightConverter:
         return self
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild_converter, (type(self), self.source_patterns, self.target_patterns, self.operations))
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and self._key() == other._key()  # type: ignore[attr-defined]
+        return isinstance(other, WeightConverter) and type(other) is type(self) and self._key() == other._key()
 
     def __hash__(self) -> int:
         return hash(self._key())
 
-    def _key(self) -> tuple:
+    def _key(self) -> tuple[Any, ...]:
         return (self.source_patterns, self.target_patterns, self.operations)
 
     @property
@@ -137,7 +144,10 @@ class WeightRenaming(WeightConverter):
 
 
 def _rebuild_converter(
-    cls: type[WeightConverter], sources: tuple[str, ...], targets: tuple[str, ...], operations: tuple
+    cls: type[WeightConverter],
+    sources: tuple[str, ...],
+    targets: tuple[str, ...],
+    operations: tuple[Any, ...],
 ) -> WeightConverter:
     converter = object.__new__(cls)
     WeightConverter.__init__(converter, sources, targets, operations)
@@ -304,7 +314,7 @@ def isolated_conversions() -> Iterator[None]:
         yield
 
 
-class _GlobalConversions(MutableMapping):
+class _GlobalConversions(MutableMapping[str, Any]):
     """The global conversion entries as a dict-like view (reads and writes go through the registry).
 
     For tests that save and restore the global state; code registers through the functions above.

@@ -68,13 +68,15 @@ class _SelectionMode(TorchFunctionMode):
         super().__init__()
         self.site = site
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[Any, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func in _TOPK:
             return self._topk(func, args, kwargs)
         return func(*args, **kwargs)
 
-    def _topk(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def _topk(self, func: Any, args: tuple[Any, ...], kwargs: dict[Any, Any]) -> Any:
         inp, k, dim, largest = _topk_args(args, kwargs)
         site, layer = self.site, self.site.layer
         last = dim in (-1, inp.dim() - 1)
@@ -164,7 +166,7 @@ def extra_candidates_harmless(layer: MoELayer, candidates: int) -> bool:
     return candidates == 2 and layer.n_group in (1, layer.num_experts)
 
 
-def _topk_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, int, int, bool]:
+def _topk_args(args: tuple[Any, ...], kwargs: dict[Any, Any]) -> tuple[torch.Tensor, int, int, bool]:
     names = ("input", "k", "dim", "largest", "sorted")
     bound = dict(zip(names, args))
     bound.update(kwargs)
