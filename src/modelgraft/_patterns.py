@@ -33,13 +33,14 @@ Example:
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-try:  # Python >= 3.11
-    from re import _parser
-except ImportError:  # pragma: no cover - Python 3.10
-    import sre_parse as _parser  # type: ignore[no-redef]
+if sys.version_info >= (3, 11):
+    from re import _parser  # type: ignore[attr-defined]  # private, so absent from typeshed
+else:  # pragma: no cover - Python 3.10
+    import sre_parse as _parser
 
 __all__ = ["Matcher", "UnsafePatternError", "backtracking_problem", "matcher"]
 
@@ -74,7 +75,7 @@ def _name(op: Any) -> str:
 
 
 def _unbounded(hi: int) -> bool:
-    return hi == _MAXREPEAT
+    return bool(hi == _MAXREPEAT)
 
 
 class _Scan:

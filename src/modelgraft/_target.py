@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import transformers
 from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig, PreTrainedModel
@@ -77,7 +78,7 @@ def _config_from_json(path: Path) -> PretrainedConfig:
     except (OSError, ValueError) as exc:
         raise TargetError(f"`{path}` is not a readable JSON config: {exc}.") from exc
     model_type = data.pop("model_type", None) if isinstance(data, dict) else None
-    if model_type not in CONFIG_MAPPING:
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise TargetError(
             f"`{path}` has model_type `{model_type}`; expected one known to transformers "
             f"{transformers.__version__} (for example `llama`)."
@@ -140,8 +141,9 @@ def model_class_for(config: PretrainedConfig) -> type:
     elif getattr(config, "is_decoder", None) is False:
         autos.insert(0, transformers.AutoModelForMaskedLM)
     for auto in autos:
+        mapping: Any = auto._model_mapping  # set on each Auto class; None on their untyped base
         try:
-            return auto._model_mapping[type(config)]
+            return cast(type, mapping[type(config)])
         except KeyError:
             continue
     raise TargetError(

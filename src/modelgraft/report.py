@@ -19,7 +19,7 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, cast, overload
 
 import torch
 
@@ -109,6 +109,10 @@ class GraftReport:
         return "\n".join(lines)
 
 
+@overload
+def _report_for(model: torch.nn.Module, create: Literal[True] = True) -> GraftReport: ...
+@overload
+def _report_for(model: torch.nn.Module, create: bool) -> GraftReport | None: ...
 def _report_for(model: torch.nn.Module, create: bool = True) -> GraftReport | None:
     """Return the report attached to ``model`` (creating an empty one when asked)."""
     existing = model.__dict__.get(_ATTR)
@@ -167,8 +171,10 @@ def _init_fills(model: torch.nn.Module, param_name: str, cache: dict[tuple[type,
             tensor.__dict__.pop("_is_hf_initialized", None)
         probe.__dict__.pop("_is_hf_initialized", None)
         try:
-            initializer._init_weights(probe)
-            filled = not bool(torch.isnan(probe._parameters[leaf]).all())
+            cast(Any, initializer)._init_weights(probe)  # a PreTrainedModel method, untyped on Module
+            probed = probe._parameters[leaf]
+            assert probed is not None  # the leaf was a parameter of the original owner
+            filled = not bool(torch.isnan(probed).all())
         except Exception:  # an init that cannot handle the module does not fill it either
             filled = False
     cache[cache_key] = filled

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # Every module here imports `_version` before anything of transformers: an unsupported
 # transformers is refused with a clear error before any internal of it is touched.
@@ -98,7 +98,7 @@ __all__ = [
     "uninstall_recorder_lookup",
 ]
 
-if IS_V5:
+if IS_V5 or TYPE_CHECKING:  # both lines share one interface; the checker reads the 5.x one
     from modelgraft._compat import _v5 as _impl
 else:
     from modelgraft._compat import _v4 as _impl

@@ -78,7 +78,7 @@ def _renamer(model: Any, key_mapping: dict[str, str] | None) -> Any:
     the first matching ``key_mapping`` pattern); the base-model prefix is left to the engine."""
 
     def rename(key: str) -> str:
-        new_key = model._fix_state_dict_key_on_load(key)[0]
+        new_key: str = model._fix_state_dict_key_on_load(key)[0]
         for pattern, replacement in (key_mapping or {}).items():
             new_key, count = re.subn(pattern, replacement, new_key)
             if count:

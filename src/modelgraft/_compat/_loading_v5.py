@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,12 +46,12 @@ _wrappers = WrapGroup("conversion")
 
 def builtin_conversion_exists(key: str) -> bool:
     """Whether the installed transformers has its own conversion entry for ``key``."""
-    return _tcm.get_checkpoint_conversion_mapping(key) is not None
+    return _tcm.get_checkpoint_conversion_mapping(key) is not None  # type: ignore[no-untyped-call]
 
 
 def builtin_checkpoint_conversions(model_type: str) -> list[Any]:
     """transformers' own conversion entries for ``model_type``."""
-    return list(_tcm.get_checkpoint_conversion_mapping(model_type) or [])
+    return list(_tcm.get_checkpoint_conversion_mapping(model_type) or [])  # type: ignore[no-untyped-call]
 
 
 def _signature(transform: Any) -> tuple[Any, ...]:
@@ -77,7 +78,7 @@ def _filter_builtins(engine: ConversionEngine, model: Any, transforms: list[Any]
 
 
 def _wrap_get_model_conversion_mapping(engine: ConversionEngine) -> Any:
-    def wrap(original: Any) -> Any:
+    def wrap(original: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
         def get_model_conversion_mapping(model: Any, *args: Any, **kwargs: Any) -> list[Any]:
             transforms = original(model, *args, **kwargs)
             if not engine.active():
@@ -174,7 +175,7 @@ def _wrap_post_init(engine: ConversionEngine) -> Any:
 
 
 def _wrap_revert(engine: ConversionEngine) -> Any:
-    def wrap(original: Any) -> Any:
+    def wrap(original: Callable[..., dict[Any, Any]]) -> Callable[..., dict[Any, Any]]:
         def revert_weight_conversion(model: Any, state_dict: dict[Any, Any]) -> dict[Any, Any]:
             reversed_ = engine.reverse(model, state_dict)
             if reversed_ is None:

@@ -31,7 +31,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -169,6 +169,8 @@ def moe_router_candidates(modules: Mapping[str, nn.Module]) -> Iterator[tuple[st
         if leaf not in _ROUTER_NAMES:
             continue
         parent = modules.get(parent_name)
+        if parent is None:
+            continue
         experts = getattr(parent, "experts", None)
         if not isinstance(experts, nn.ModuleList):
             continue
@@ -211,8 +213,9 @@ def defines_layout_moe(source: str) -> bool:
 
 def meta_device() -> AbstractContextManager[Any]:
     """See :func:`modelgraft._compat.meta_device`."""
-    from transformers.integrations.accelerate import init_empty_weights
+    # 4.x only; the 5.x line this is type-checked against no longer has it
+    from transformers.integrations.accelerate import init_empty_weights  # type: ignore[attr-defined]
 
     # Parameters only: with buffers included it enters `torch.device("meta")` as well, and a
     # buffer read while constructing (xIELU's `.item()`) would fail again. Buffers are small.
-    return init_empty_weights(include_buffers=False)
+    return cast(AbstractContextManager[Any], init_empty_weights(include_buffers=False))

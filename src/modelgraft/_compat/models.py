@@ -15,7 +15,7 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -47,7 +47,7 @@ def auto_model_class(kind: str, config: Any) -> type | None:
 
     auto = getattr(transformers, AUTO_KINDS[kind])
     try:
-        return auto._model_mapping[type(config)]
+        return cast(type, auto._model_mapping[type(config)])
     except KeyError:
         return None
 
@@ -97,7 +97,7 @@ def revert_builtin_conversion(
 
     if not isinstance(model, PreTrainedModel):
         return None
-    return revert_weight_conversion(model, dict(state))
+    return cast("dict[str, torch.Tensor]", revert_weight_conversion(model, dict(state)))
 
 
 def model_types_by_module() -> dict[str, list[str]]:
@@ -107,7 +107,8 @@ def model_types_by_module() -> dict[str, list[str]]:
         >>> "llama" in model_types_by_module()["llama"]
         True
     """
-    from transformers.models.auto.configuration_auto import (  # lazy: family discovery only
+    # lazy: family discovery only; CONFIG_MAPPING_NAMES is imported there, not re-exported
+    from transformers.models.auto.configuration_auto import (  # type: ignore[attr-defined]
         CONFIG_MAPPING_NAMES,
         model_type_to_module_name,
     )

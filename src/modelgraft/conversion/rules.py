@@ -115,7 +115,9 @@ class WeightConverter:
         return (_rebuild_converter, (type(self), self.source_patterns, self.target_patterns, self.operations))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, WeightConverter) and type(other) is type(self) and self._key() == other._key()
+        return (
+            isinstance(other, WeightConverter) and type(other) is type(self) and self._key() == other._key()
+        )
 
     def __hash__(self) -> int:
         return hash(self._key())
