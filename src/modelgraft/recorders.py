@@ -56,7 +56,7 @@ def _patched_spec(spec: object, replace: Callable[[type], type | None]) -> objec
     if isinstance(spec, type):
         return replace(spec) or spec
     target = getattr(spec, "target_class", None)
-    if dataclasses.is_dataclass(spec) and isinstance(target, type):
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type) and isinstance(target, type):
         replacement = replace(target)
         if replacement is not None:
             return dataclasses.replace(spec, target_class=replacement)

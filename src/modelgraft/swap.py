@@ -267,7 +267,9 @@ class Swap:
             module = _index[name][0]
             namespace = module.__dict__
             for attr in hits:
-                key, replacement = self.snap.find(attr)  # type: ignore[misc]
+                found = self.snap.find(attr)
+                assert found is not None  # the plan lists only names the snapshot replaces
+                key, replacement = found
                 current = namespace.get(attr)
                 if current is replacement:  # an enclosing swap bound it already: report its original
                     current = _bound_by_enclosing(module, attr, replacement)

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from modelgraft.conversion._plan import Group
+from modelgraft.conversion.keys import Pattern, PatternMatch
 from modelgraft.conversion.ops import (
     Chunk,
     Concatenate,
@@ -226,11 +227,11 @@ def expected_sources(
     flat_shapes = [s for g in target_shapes for s in g]
     if not all(k in original and tuple(original[k]) == tuple(s) for k, s in zip(targets, flat_shapes)):
         return None
-    shapes = _equal_parts(ops, target_shapes, len(group.sources))
-    if shapes is None or not _runs_to(ops, shapes, target_shapes):
+    parts = _equal_parts(ops, target_shapes, len(group.sources))
+    if parts is None or not _runs_to(ops, parts, target_shapes):
         return None
     return Expected(
-        shapes,
+        parts,
         f"an equal part of `{targets[0]}` of the original {model_name}, as transformers' own conversion "
         "splits it when it saves",
     )
@@ -242,8 +243,8 @@ def _star_check(group: Group, name: Callable[[str], str]) -> None:
     starred = [(p, keys) for p, keys in zip(conv._sources, group.sources) if p.has_star and keys]
     count = max((len(keys) for _, keys in starred), default=0)
     for pattern, keys in starred:
-        matches = [pattern.match(k) for k in keys]
-        indices = {m.index for m in matches if m is not None}
+        matches = [_matched(pattern, k) for k in keys]
+        indices = {m.index for m in matches if m.index is not None}
         # Indices run 0, 1, ... and every `*` pattern of the group has as many as the longest.
         gaps = sorted(set(range(max(count, max(indices, default=-1) + 1))) - indices)
         if gaps:
@@ -261,7 +262,8 @@ def _star_check(group: Group, name: Callable[[str], str]) -> None:
 def _dtype_check(
     group: Group, dtypes: Sequence[Sequence[torch.dtype | None]], name: Callable[[str], str]
 ) -> None:
-    first_key, first = None, None
+    first_key: str = ""
+    first: torch.dtype | None = None
     for keys, kinds in zip(group.sources, dtypes):
         for key, dtype in zip(keys, kinds):
             if dtype is None:
@@ -275,6 +277,13 @@ def _dtype_check(
                     "them silently; re-save the checkpoint with one dtype for these tensors "
                     "(`tensor.to(dtype)`), then load with `dtype=` as usual."
                 )
+
+
+def _matched(pattern: Pattern, key: str) -> PatternMatch:
+    """The match of a key the plan already paired with ``pattern`` (so it always matches)."""
+    found = pattern.match(key)
+    assert found is not None, (pattern.text, key)
+    return found
 
 
 def check_sources(
@@ -296,8 +305,8 @@ def check_sources(
     conv = group.converter
     for pattern, keys, found, want in zip(conv._sources, group.sources, shapes, expected.shapes):
         if len(found) != len(want):
-            m = pattern.match(keys[0])
-            present = {pattern.match(k).index for k in keys}
+            m = _matched(pattern, keys[0])
+            present = {_matched(pattern, k).index for k in keys}
             absent = [i for i in range(len(want)) if i not in present]
             detail = (
                 f"`{name(pattern.build(m.prefix, m.suffix, absent[0]))}` is missing"

@@ -323,7 +323,8 @@ class _GlobalConversions(MutableMapping[str, Any]):
     """
 
     def __getitem__(self, key: str) -> Conversions:
-        return registry._global_entries(registry.CONVERSIONS)[key]
+        entries: Conversions = registry._global_entries(registry.CONVERSIONS)[key]
+        return entries
 
     def __setitem__(self, key: str, value: Sequence[WeightConverter]) -> None:
         register_checkpoint_conversion_mapping(key, value, overwrite=True)
