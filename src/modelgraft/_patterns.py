@@ -37,6 +37,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from modelgraft.errors import UnsafePatternError
+
 if sys.version_info >= (3, 11):
     from re import _parser  # type: ignore[attr-defined]  # private, so absent from typeshed
 else:  # pragma: no cover - Python 3.10
@@ -64,10 +66,6 @@ _CATEGORIES = {
     }.items()
 }
 _MATCHERS_MAX = 4096  # distinct pattern strings kept compiled (with their per-class-name results)
-
-
-class UnsafePatternError(ValueError):
-    """A pattern can backtrack catastrophically (the message says which shape)."""
 
 
 def _name(op: Any) -> str:

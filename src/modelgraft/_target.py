@@ -21,7 +21,7 @@ from typing import Any, cast
 import transformers
 from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig, PreTrainedModel
 
-from modelgraft.errors import GraftError
+from modelgraft.errors import TargetError
 
 __all__ = [
     "TargetError",
@@ -31,10 +31,6 @@ __all__ = [
     "model_class_for",
     "resolve_config",
 ]
-
-
-class TargetError(GraftError, ValueError):
-    """A model type, path or ``package.module:NAME`` reference could not be resolved."""
 
 
 def resolve_config(target: str | Path | PretrainedConfig) -> tuple[PretrainedConfig, Path | None]:
@@ -162,7 +158,7 @@ def ensure_model_class(obj: object, what: str) -> type[PreTrainedModel]:
         >>> ensure_model_class(transformers.Trainer, "`Trainer`")
         Traceback (most recent call last):
         ...
-        modelgraft._target.TargetError: `Trainer` is a class `Trainer`, not a transformers model class (a `PreTrainedModel` subclass); only model classes are built, such as `LlamaForCausalLM`.
+        modelgraft.errors.TargetError: `Trainer` is a class `Trainer`, not a transformers model class (a `PreTrainedModel` subclass); only model classes are built, such as `LlamaForCausalLM`.
     """
     if isinstance(obj, type) and issubclass(obj, PreTrainedModel):
         return obj

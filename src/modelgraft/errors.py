@@ -15,19 +15,24 @@ from __future__ import annotations
 __all__ = [
     "ConversionError",
     "ConversionShapeError",
+    "DoubleBackwardError",
     "FusionError",
     "GraftConflictError",
     "GraftError",
     "GraftStateError",
     "IrreversibleConversionError",
+    "LossInputError",
     "MissingSourceKeyError",
     "PatchRegistrationError",
     "ReplacementTypeError",
     "RoutingError",
     "StrictModeError",
+    "TargetError",
     "UnknownModelTypeError",
+    "UnsafePatternError",
     "UnsupportedFamilyError",
     "UnsupportedTransformersError",
+    "VerifyArgumentError",
 ]
 
 
@@ -93,3 +98,27 @@ class FusionError(GraftError, TypeError):
 class GraftStateError(GraftError, ValueError):
     """``graft_model`` cannot carry a module's state (per-parameter flags, hooks) into its
     replacement exactly; the model is left unchanged."""
+
+
+class TargetError(GraftError, ValueError):
+    """A model type, path or ``package.module:NAME`` reference could not be resolved
+    (:func:`modelgraft.verify`, the command line)."""
+
+
+class VerifyArgumentError(GraftError, ValueError):
+    """An argument of :func:`modelgraft.verify` is out of range: a tolerance that is negative or not finite, a bad seed."""
+
+
+class LossInputError(GraftError, ValueError):
+    """Labels or arguments that the chunked loss cannot take (``modelgraft.grafts``)."""
+
+
+class DoubleBackwardError(GraftError, RuntimeError):
+    """A backward with ``create_graph=True`` through the chunked loss (its gradients are precomputed)."""
+
+
+class UnsafePatternError(GraftError, ValueError):
+    """A patch-key pattern can backtrack catastrophically (the message says which shape).
+
+    Registration reports it as :class:`PatchRegistrationError`; it reaches callers of the pattern
+    checker directly."""

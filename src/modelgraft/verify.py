@@ -55,15 +55,11 @@ from modelgraft._target import (
     model_class_for,
     resolve_config,
 )
-from modelgraft.errors import GraftError
+from modelgraft.errors import VerifyArgumentError
 from modelgraft.hooks import patched, unpatched
 from modelgraft.report import report
 
 __all__ = ["Check", "VerifyArgumentError", "VerifyReport", "verify"]
-
-
-class VerifyArgumentError(GraftError, ValueError):
-    """An argument of :func:`verify` is out of range: a tolerance that is negative or not finite, a bad seed."""
 
 
 CHECKS = ("builds", "all_weights_loaded", "logits_match", "hidden_states_match", "save_roundtrip")

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from modelgraft.errors import GraftError
+from modelgraft.errors import DoubleBackwardError, LossInputError
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
@@ -52,14 +52,6 @@ __all__ = [
 
 #: A chunk holds at most this many logits (128 MiB in float32) unless a chunk size is given.
 DEFAULT_CHUNK_ELEMENTS = 1 << 25
-
-
-class LossInputError(GraftError, ValueError):
-    """Labels or arguments that the chunked loss cannot take (``modelgraft.grafts``)."""
-
-
-class DoubleBackwardError(GraftError, RuntimeError):
-    """A backward with ``create_graph=True`` through the chunked loss (its gradients are precomputed)."""
 
 
 @dataclass(frozen=True)
