@@ -1,5 +1,9 @@
 """Issue 2, points 1 (matching rules and precedence) and 2 (atomic, validated registration); issue 10,
-points 10 (catastrophic patterns), 11 (out-of-order exits) and 16 (linear cost, released classes)."""
+points 10 (catastrophic patterns), 11 (out-of-order exits) and 16 (linear cost, released classes).
+
+Unit tests of ``modelgraft.registry`` (their own file): they import it directly, the one exception to
+tests using public names only (issue 14); everything else comes from the public namespaces.
+"""
 
 from __future__ import annotations
 
