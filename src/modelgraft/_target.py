@@ -104,7 +104,7 @@ def _read_config(path: Path, read: Callable[[], PretrainedConfig]) -> Pretrained
         ) from exc
 
 
-def model_class_for(config: PretrainedConfig) -> type:
+def model_class_for(config: PretrainedConfig) -> type[PreTrainedModel]:
     """Pick the model class to build: the config's ``architectures[0]``, else a model with an LM head.
 
     Encoders (``is_decoder=False``) get their masked-LM head, decoders their causal-LM head,
@@ -139,7 +139,7 @@ def model_class_for(config: PretrainedConfig) -> type:
     for auto in autos:
         mapping: Any = auto._model_mapping  # set on each Auto class; None on their untyped base
         try:
-            return cast(type, mapping[type(config)])
+            return cast("type[PreTrainedModel]", mapping[type(config)])
         except KeyError:
             continue
     raise TargetError(

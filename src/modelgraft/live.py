@@ -189,7 +189,7 @@ def _related(path: str, other: str) -> bool:
     return path == other or path.startswith(other + ".") or other.startswith(path + ".")
 
 
-def _recording(cls: type) -> type:
+def _recording(cls: type[torch.nn.Module]) -> type:
     """A subclass of ``cls`` that remembers the arguments its constructor received."""
 
     def __init__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
