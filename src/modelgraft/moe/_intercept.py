@@ -214,7 +214,7 @@ def hook_scope(site: _Site) -> None:
         )
     original = scope.forward
 
-    @torch.compiler.disable
+    @torch.compiler.disable  # type: ignore[untyped-decorator]  # untyped in torch
     def forward(*args: Any, **kwargs: Any) -> Any:
         site.candidates, site.pending, site.groups = 0, None, None
         with _SelectionMode(site):
@@ -236,7 +236,7 @@ def hook_scope(site: _Site) -> None:
             site.recorded.append(site.pending.detach().reshape(-1, layer.top_k).clone())
         return out
 
-    forward._modelgraft_moe_site = site  # type: ignore[attr-defined]
+    forward._modelgraft_moe_site = site
     site.previous_forward = existing
     scope.forward = forward
 

@@ -174,7 +174,8 @@ class ForwardLog:
     def _wrap_generate(self) -> None:
         model = self.model
         self._generate_before = model.__dict__.get("generate")
-        original = model.generate
+        generating: Any = model  # `generate` is a PreTrainedModel method, untyped on nn.Module
+        original = generating.generate
 
         def generate(*args: Any, **kwargs: Any) -> Any:
             _refuse_generation_mode(model, kwargs)
@@ -183,7 +184,7 @@ class ForwardLog:
             self._check_generate(first, out)
             return out
 
-        model.generate = generate
+        generating.generate = generate
         self._wrapped = True
 
     def _check_generate(self, first: int, out: Any) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -121,7 +121,7 @@ def _model_info(model: nn.Module | None) -> tuple[list[int] | None, int | None, 
     if model is None:
         return None, None, None, None
     layers = moe_layers(model)
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return (
         [layer.layer_id for layer in layers],
@@ -356,7 +356,7 @@ def from_sglang(
     layers = kwargs.get("num_hidden_layers")
     if model is not None:
         top_k = top_k or moe_layers(model)[0].top_k
-        config = model.config.get_text_config() if hasattr(model, "config") else None
+        config = cast(Any, model).config.get_text_config() if hasattr(model, "config") else None
         layers = layers or getattr(config, "num_hidden_layers", None)
     decoded = []
     for i, item in enumerate(routed_experts):
