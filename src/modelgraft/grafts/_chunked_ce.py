@@ -202,7 +202,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(
             grad_h,
             None if grad_w is None else grad_w.to(weight.dtype),
-            None if grad_b is None else grad_b.to(bias.dtype),
+            None if grad_b is None or bias is None else grad_b.to(bias.dtype),
         )
         return total / divisor
 
@@ -287,9 +287,10 @@ def linear_cross_entropy(
         divisor = torch.as_tensor(num_items_in_batch, device=hidden.device).to(loss_dtype)
     params = (hidden, weight) if bias is None else (hidden, weight, bias)
     if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-        return _LinearCrossEntropy.apply(
+        loss: torch.Tensor = _LinearCrossEntropy.apply(  # type: ignore[no-untyped-call]  # untyped in torch
             hidden, weight, bias, targets, divisor, transform, ignore_index, chunk, loss_dtype
         )
+        return loss
     total, *_ = _chunks(
         hidden, weight, bias, targets, transform, ignore_index, chunk, None, (False,) * 3, loss_dtype
     )

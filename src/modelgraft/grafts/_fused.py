@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import TypeGuard, cast
 
 import torch
 from torch import nn
@@ -78,7 +79,8 @@ class _FusionGroup:
         self._local = threading.local()
 
     def fused(self) -> nn.Module:
-        return getattr(self.owner, self.fused_name)
+        fused: nn.Module = getattr(self.owner, self.fused_name)
+        return fused
 
     def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
         fused = self.fused()
@@ -113,18 +115,18 @@ class _FusionGroup:
     def _traced_part(self, fused: nn.Module, x: torch.Tensor, index: int) -> torch.Tensor:
         # Under torch.compile the identity of ``x`` is known while tracing, but version counters
         # are not; a compiled graph always runs with the weights it is given, so identity is enough.
-        traced = self.__dict__.get("_traced")
+        traced: tuple[torch.Tensor, tuple[torch.Tensor, ...], set[int]] | None = self.__dict__.get("_traced")
         if traced is not None and traced[0] is x and index in traced[2]:
             traced[2].discard(index)
             if not traced[2]:
                 self._traced = None
             return traced[1][index]
-        parts = tuple(fused(x).split(self.sizes, dim=-1))
+        parts: tuple[torch.Tensor, ...] = tuple(fused(x).split(self.sizes, dim=-1))
         self._traced = (x, parts, set(range(len(parts))) - {index})
         return parts[index]
 
 
-def _plain_linear(fused: nn.Module, x: torch.Tensor) -> bool:
+def _plain_linear(fused: nn.Module, x: torch.Tensor) -> TypeGuard[nn.Linear]:
     """Whether ``fused`` is an untouched ``nn.Linear`` that :func:`split_linear` may run for it.
 
     Anything else keeps going through ``fused(x)``: a quantizer's or adapter's own layer, hooks
@@ -197,7 +199,7 @@ class FusedSlice(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        return _part_view(self._group.fused().weight, self._span())
+        return _part_view(cast(torch.Tensor, self._group.fused().weight), self._span())
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -222,8 +224,9 @@ def can_fuse_linears(module: nn.Module, names: tuple[str, ...]) -> bool:
         >>> can_fuse_linears(block, ("a", "b")), can_fuse_linears(block, ("a", "c"))
         (True, False)
     """
-    layers = [getattr(module, name, None) for name in names]
-    if not all(type(layer) is nn.Linear for layer in layers):
+    found = [getattr(module, name, None) for name in names]
+    layers = [layer for layer in found if type(layer) is nn.Linear]
+    if len(layers) != len(found):
         return False
     with_bias = {layer.bias is not None for layer in layers}
     return len({layer.in_features for layer in layers}) == 1 and len(with_bias) == 1
@@ -321,18 +324,21 @@ def fused_subclass(
             return module
 
         name = f"{prefix}{base.__name__}"
-        cls = GraftedClass(
-            name,
-            (base,),
-            {
-                "__init__": __init__,
-                "__doc__": f"`{base.__name__}` with {', '.join(names)} fused into one `{fused_name}`.",
-                "__qualname__": name,
-                "_from_original": classmethod(_from_original),
-                "_modelgraft_original": base,
-                "_modelgraft_fused": (names, fused_name),
-                RECIPE_ATTR: (fused_subclass, (base, names, fused_name, prefix)),
-            },
+        cls = cast(
+            "type[nn.Module]",
+            GraftedClass(
+                name,
+                (base,),
+                {
+                    "__init__": __init__,
+                    "__doc__": f"`{base.__name__}` with {', '.join(names)} fused into one `{fused_name}`.",
+                    "__qualname__": name,
+                    "_from_original": classmethod(_from_original),
+                    "_modelgraft_original": base,
+                    "_modelgraft_fused": (names, fused_name),
+                    RECIPE_ATTR: (fused_subclass, (base, names, fused_name, prefix)),
+                },
+            ),
         )
         _SUBCLASSES[key] = cls
         return cls
