@@ -24,6 +24,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -90,7 +92,8 @@ class LinearExpert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self._names)
-        return down(self.act_fn(gate(x)) * up(x))
+        out: torch.Tensor = down(self.act_fn(gate(x)) * up(x))
+        return out
 
 
 def _default_apply_gate() -> object:
@@ -147,11 +150,14 @@ class _LinearExpertsBase(nn.ModuleList):
         self._setup(probe)
 
     def _setup(self, probe: nn.Module) -> None:
-        num, two_inter, hidden = probe.gate_up_proj.shape
+        gate_up = probe.gate_up_proj
+        assert isinstance(gate_up, torch.Tensor)  # _layout_problem checked it before
+        num, two_inter, hidden = gate_up.shape
         self.num_experts = num
         self.hidden_dim = hidden
         self.intermediate_dim = two_inter // 2
         act_fn = probe.act_fn
+        assert isinstance(act_fn, nn.Module)  # _layout_problem checked it before
         for _ in range(num):
             self.append(LinearExpert(hidden, two_inter // 2, act_fn, self._expert_names))
 
@@ -199,7 +205,7 @@ class _LinearExpertsBase(nn.ModuleList):
         return out
 
 
-_CLASSES: dict[tuple[type, tuple[str, str, str]], type[nn.Module]] = {}
+_CLASSES: dict[tuple[type, tuple[str, ...]], type[nn.Module]] = {}
 _CLASSES_LOCK = ForkSafeLock()
 
 
@@ -218,16 +224,19 @@ def linear_experts_class(
         found = _CLASSES.get(key)
         if found is None:
             name = f"Linear{experts_class.__name__}"
-            found = GraftedClass(
-                name,
-                (_LinearExpertsBase,),
-                {
-                    "__qualname__": name,
-                    "__doc__": f"`{experts_class.__name__}` as a `ModuleList` of per-expert `nn.Linear` layers.",
-                    "_modelgraft_original": experts_class,
-                    "_expert_names": tuple(names),
-                    RECIPE_ATTR: (linear_experts_class, (experts_class, tuple(names))),
-                },
+            found = cast(
+                "type[nn.Module]",
+                GraftedClass(
+                    name,
+                    (_LinearExpertsBase,),
+                    {
+                        "__qualname__": name,
+                        "__doc__": f"`{experts_class.__name__}` as a `ModuleList` of per-expert `nn.Linear` layers.",
+                        "_modelgraft_original": experts_class,
+                        "_expert_names": tuple(names),
+                        RECIPE_ATTR: (linear_experts_class, (experts_class, tuple(names))),
+                    },
+                ),
             )
             _CLASSES[key] = found
         return found
