@@ -45,6 +45,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/grafts_speed.py
 	$(PY) benchmarks/inspect_speed.py
 	$(PY) benchmarks/chunked_loss.py
+	$(PY) benchmarks/weight_sync.py
+	$(PY) benchmarks/weight_sync.py --model qwen2_moe
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) .pytest_cache .ruff_cache .bench-cache

@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from transformers import AutoModelForCausalLM
 
 from modelgraft.moe import from_vllm, moe_layers, record_routing, replay_routing
-from modelgraft.moe._families import build_tiny
+from modelgraft.testing import tiny_config
 
 torch.manual_seed(0)
-policy = build_tiny("deepseek_v3", num_hidden_layers=3, first_k_dense_replace=1)
-config = policy.config
+# 8 experts in 4 groups, of which the router keeps 2: DeepSeek-V3's group-limited routing.
+config = tiny_config(
+    "deepseek_v3", num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, n_group=4, topk_group=2
+)
+policy = AutoModelForCausalLM.from_config(config).eval()
 layers = moe_layers(policy)
 print(f"MoE layers: {[layer.layer_id for layer in layers]} of {config.num_hidden_layers} (layer 0 is dense)")
 

@@ -11,19 +11,16 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 import modelgraft
 from families import family
-from modelgraft.conversion import rules
+from modelgraft import registry
 
 
 @pytest.fixture(autouse=True)
 def _clean_registry() -> Iterator[None]:
-    """Every test starts and ends with an empty global patch registry, and leaves the global
-    conversion registry as it found it."""
+    """Every test starts with an empty global patch registry, and leaves the global registry
+    (classes and conversions) as it found it."""
     modelgraft.clear_patch_mapping()
-    conversions_before = dict(rules._registry)
-    yield
-    modelgraft.clear_patch_mapping()
-    rules._registry.clear()
-    rules._registry.update(conversions_before)
+    with registry.restoring():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,11 @@ change without notice. Every error modelgraft raises is exported here.
 from __future__ import annotations
 
 from modelgraft import _compat  # noqa: F401  (fails early on an unsupported transformers)
+from modelgraft._hf_compat_api import (
+    get_model_conversion_mapping,
+    rename_source_key,
+    revert_weight_conversion,
+)
 from modelgraft.conversion import (
     Chunk,
     Concatenate,
@@ -27,10 +32,22 @@ from modelgraft.conversion import (
     register_checkpoint_conversion_mapping,
     unregister_checkpoint_conversion_mapping,
 )
+from modelgraft.conversion.builtin_ops import (
+    Conv3dToLinear,
+    ConversionOps,
+    ErnieFuseAndSplitTextVisionExperts,
+    LinearToConv3d,
+    PermuteForRope,
+    VisionFuseAndPermuteForRope,
+    VisionUnfuseAndPermuteForRope,
+)
+from modelgraft.conversion.builtin_rules import GroupWeightRename, PrefixChange
 from modelgraft.errors import (
     ConversionError,
     ConversionShapeError,
     DoubleBackwardError,
+    ExpertsAdapterError,
+    ExpertsImplementationError,
     FusionError,
     GraftConflictError,
     GraftError,
@@ -49,6 +66,7 @@ from modelgraft.errors import (
     UnsupportedTransformersError,
     VerifyArgumentError,
 )
+from modelgraft.graft import Graft, register_graft, unregister_graft
 from modelgraft.hooks import apply_patches, patched, unpatched
 from modelgraft.live import graft_model
 from modelgraft.recorders import patch_output_recorders
@@ -59,7 +77,9 @@ from modelgraft.registry import (
     unregister_patch_mapping,
 )
 from modelgraft.report import GraftReport, report
+from modelgraft.swap import add_scope_prefix, remove_scope_prefix
 from modelgraft.verify import VerifyReport, verify
+from modelgraft.weight_sync import original_state_dict
 
 __version__ = "0.1.0"
 
@@ -67,21 +87,31 @@ __version__ = "0.1.0"
 __all__ = [
     "Chunk",
     "Concatenate",
+    "Conv3dToLinear",
     "ConversionContext",
     "ConversionError",
     "ConversionOperation",
+    "ConversionOps",
     "ConversionShapeError",
     "DoubleBackwardError",
+    "ErnieFuseAndSplitTextVisionExperts",
+    "ExpertsAdapterError",
+    "ExpertsImplementationError",
     "FusionError",
+    "Graft",
     "GraftConflictError",
     "GraftError",
     "GraftReport",
     "GraftStateError",
+    "GroupWeightRename",
     "IrreversibleConversionError",
+    "LinearToConv3d",
     "LossInputError",
     "MergeModulelist",
     "MissingSourceKeyError",
     "PatchRegistrationError",
+    "PermuteForRope",
+    "PrefixChange",
     "ReplacementTypeError",
     "RoutingError",
     "SplitModulelist",
@@ -94,21 +124,31 @@ __all__ = [
     "UnsupportedTransformersError",
     "VerifyArgumentError",
     "VerifyReport",
+    "VisionFuseAndPermuteForRope",
+    "VisionUnfuseAndPermuteForRope",
     "WeightConverter",
     "WeightRenaming",
     "__version__",
+    "add_scope_prefix",
     "apply_patches",
     "clear_patch_mapping",
     "get_checkpoint_conversion_mapping",
+    "get_model_conversion_mapping",
     "get_patch_mapping",
     "graft_model",
+    "original_state_dict",
     "patch_output_recorders",
     "patched",
     "register_checkpoint_conversion_mapping",
+    "register_graft",
     "register_patch_mapping",
+    "remove_scope_prefix",
+    "rename_source_key",
     "report",
+    "revert_weight_conversion",
     "unpatched",
     "unregister_checkpoint_conversion_mapping",
+    "unregister_graft",
     "unregister_patch_mapping",
     "verify",
 ]

@@ -105,6 +105,14 @@ def refuse_wrapped(path: str, module: nn.Module) -> None:
                 f"(`{_name(sub.__dict__['forward'])}`), which the replacement would silently lose. Graft before "
                 "wrapping it, or restore `del module.forward`. " + _UNCHANGED
             )
+        for name, tensor in [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]:
+            if getattr(tensor, "placements", None) is not None:  # a DTensor: only its shard is here
+                raise GraftStateError(
+                    f"Cannot graft `{path}`: `{_join(where, name)}` is a DTensor (sharded by tensor parallelism or "
+                    "FSDP2), which a rebuilt module cannot take over exactly. Graft before sharding "
+                    "(`fully_shard`), or at load time (`patched(...)` around `from_pretrained(..., tp_plan=...)`). "
+                    + _UNCHANGED
+                )
         cls = type(sub)
         if (
             cls.get_extra_state is not nn.Module.get_extra_state

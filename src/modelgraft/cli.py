@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
+import operator
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from types import SimpleNamespace
 from typing import Any, NoReturn, TextIO
 
 import torch
@@ -32,6 +33,7 @@ from transformers import logging as hf_logging
 from modelgraft import _compat, registry, swap
 from modelgraft._target import TargetError, import_object, model_class_for, resolve_config
 from modelgraft.errors import GraftError
+from modelgraft.graft import Graft, scope
 from modelgraft.verify import verify
 
 __all__ = ["main"]
@@ -139,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
                 "--graft",
                 action="append",
                 metavar="PKG.MODULE:NAME",
-                help="a graft bundle (with `.mapping`), or a mapping dict, whose keys to consider",
+                help="a Graft (or a function returning one, or a mapping dict) whose keys to consider",
             )
 
     p_inspect = sub.add_parser("inspect", help="module classes of an architecture and the keys matching them")
@@ -155,9 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     p_verify = sub.add_parser("verify", help="check that a graft keeps outputs and checkpoints unchanged")
     p_verify.add_argument("target", metavar="MODEL_TYPE_OR_PATH")
     common(p_verify, grafts=False)
-    p_verify.add_argument(
-        "--graft", action="append", metavar="PKG.MODULE:NAME", help="graft bundle(s) to verify"
-    )
+    p_verify.add_argument("--graft", action="append", metavar="PKG.MODULE:NAME", help="graft(s) to verify")
     p_verify.add_argument(
         "--atol", type=float, default=1e-5, help="absolute tolerance, finite and >= 0 (default 1e-5)"
     )
@@ -174,30 +174,35 @@ def _parser() -> argparse.ArgumentParser:
 
 @contextlib.contextmanager
 def _extra_keys(keys: list[str], grafts: list[str], model_type: str | None = None) -> Iterator[None]:
-    """Overlay ``--key`` placeholders (and ``--graft`` mappings) on the registry for this command."""
-    mapping: dict[str, type[torch.nn.Module]] = {}
-    for ref in grafts:
-        mapping.update(_load_graft(ref, model_type).mapping)
-    for key in keys:
-        mapping.setdefault(key, _GivenKey)
-    if not mapping:
+    """Layer the ``--graft`` grafts and ``--key`` placeholders over the registry for this command."""
+    loaded = [_load_graft(ref, model_type) for ref in grafts]
+    combined = functools.reduce(operator.add, loaded) if loaded else None
+    taken = combined.mapping if combined is not None else {}
+    given = {key: _GivenKey for key in keys if key not in taken}
+    if given:  # validated like a registration: a bad regex is reported with exit code 2
+        placeholders = Graft(given, name="--key")
+        combined = placeholders if combined is None else combined + placeholders
+    if combined is None:
         yield
         return
-    # Only matching is needed here (nothing is built with these keys), so the bare registry overlay
-    # is enough; it is validated like a registration (a bad regex is reported with exit code 2).
-    with registry.scoped(mapping):
+    with scope(combined):
         yield
 
 
-def _load_graft(ref: str, model_type: str | None = None) -> Any:
-    """Resolve ``--graft``: a bundle with ``.mapping``, a factory returning one, or a mapping dict.
+def _load_graft(ref: str, model_type: str | None = None) -> Graft:
+    """Resolve ``--graft``: a :class:`~modelgraft.Graft`, a factory returning one, or a mapping dict.
 
     A factory (``modelgraft.grafts:fused_qkv``) is called with the target's model type when there is
     one (and it accepts it), else with no arguments (all its families).
     """
     with _reported(f"Could not import `{ref}`"):
         obj = import_object(ref)
-    if not hasattr(obj, "mapping") and callable(obj) and not isinstance(obj, type):
+    if (
+        not isinstance(obj, Graft)
+        and not hasattr(obj, "mapping")
+        and callable(obj)
+        and not isinstance(obj, type)
+    ):
         made = None
         if model_type is not None:
             with contextlib.suppress(GraftError, ValueError, TypeError):
@@ -206,14 +211,16 @@ def _load_graft(ref: str, model_type: str | None = None) -> Any:
             with _reported(f"`{ref}` failed when called with no arguments"):
                 made = obj()
         obj = made
+    if isinstance(obj, Graft):
+        return obj
     if isinstance(obj, dict):
-        return SimpleNamespace(mapping=obj, conversions=None)
-    if not isinstance(getattr(obj, "mapping", None), dict):
-        raise TargetError(
-            f"`{ref}` is a `{type(obj).__name__}`; expected a graft bundle with a `.mapping` dict (and "
-            "`.conversions`), a function returning one, or a mapping dict of key -> nn.Module subclass."
-        )
-    return obj
+        return Graft(obj)
+    if isinstance(getattr(obj, "mapping", None), dict):  # a graft-like object of another library
+        return Graft(obj.mapping, getattr(obj, "conversions", None))
+    raise TargetError(
+        f"`{ref}` is a `{type(obj).__name__}`; expected a `modelgraft.Graft` (mapping and conversions), "
+        "a function returning one, or a mapping dict of key -> nn.Module subclass."
+    )
 
 
 @contextlib.contextmanager

@@ -16,6 +16,8 @@ __all__ = [
     "ConversionError",
     "ConversionShapeError",
     "DoubleBackwardError",
+    "ExpertsAdapterError",
+    "ExpertsImplementationError",
     "FusionError",
     "GraftConflictError",
     "GraftError",
@@ -85,6 +87,14 @@ class UnknownModelTypeError(GraftError, KeyError):
 
 class UnsupportedFamilyError(GraftError, ValueError):
     """A ready-made graft was asked for a model type it cannot handle (``modelgraft.grafts``)."""
+
+
+class ExpertsImplementationError(UnsupportedFamilyError):
+    """``linear_experts`` cannot run the requested ``experts_implementation`` (``modelgraft.grafts``)."""
+
+
+class ExpertsAdapterError(UnsupportedFamilyError):
+    """A PEFT adapter of fused 3D experts met a model whose experts ``linear_experts`` split (``modelgraft.grafts``)."""
 
 
 class GraftConflictError(GraftError, ValueError):

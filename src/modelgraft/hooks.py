@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from modelgraft import _compat, conversion, recorders, registry, swap
-from modelgraft.conversion.rules import validate_conversions
+from modelgraft.graft import Graft, scope
 from modelgraft.registry import Snapshot
 from modelgraft.report import _report_for, check_strict, diagnose_load, strict_requested
 
@@ -88,11 +88,11 @@ def apply_patches() -> Iterator[Snapshot]:
 
 @contextmanager
 def patched(
-    mapping: Mapping[str, type[torch.nn.Module]],
+    mapping: Graft | Mapping[str, type[torch.nn.Module]],
     conversions: Mapping[str, list[Any]] | None = None,
     strict: bool = False,
 ) -> Iterator[Snapshot]:
-    """Use ``mapping`` (and ``conversions``) for loads in this thread/task, inside the block only.
+    """Use a graft (or ``mapping`` and ``conversions``) for loads in this thread/task, inside the block only.
 
     Nothing global changes: other threads and tasks keep seeing the global registry. Scoped keys
     hide global keys with the same name and scoped patterns are tried before global ones; exact
@@ -102,8 +102,10 @@ def patched(
     added when it exits, even when nested blocks are exited out of order.
 
     Args:
-        mapping: class names or patterns to replacement classes, as for ``register_patch_mapping``.
-        conversions: ``{model_type_or_class_name: [WeightConverter | WeightRenaming, ...]}``.
+        mapping: a :class:`~modelgraft.Graft` (classes and conversions), or class names or
+            patterns to replacement classes, as for ``register_patch_mapping``.
+        conversions: ``{model_type_or_class_name: [WeightConverter | WeightRenaming, ...]}``
+            (added to the graft's).
         strict: raise on problems found while loading.
 
     Example:
@@ -115,8 +117,7 @@ def patched(
         >>> get_patch_mapping()
         {}
     """
-    validated = validate_conversions(conversions) if conversions is not None else None
-    with registry.scoped(mapping, conversions=validated, strict=strict) as snap:
+    with scope(mapping, conversions, strict=strict) as snap:
         yield snap
 
 

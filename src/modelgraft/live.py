@@ -65,7 +65,8 @@ from modelgraft.conversion import rules
 from modelgraft.conversion._plan import Group, plan_groups, run_convert
 from modelgraft.conversion.save import remember_graft
 from modelgraft.conversion.scopes import resolve_scopes
-from modelgraft.errors import ConversionError, GraftError
+from modelgraft.errors import ConversionError, GraftError, GraftStateError, ReplacementTypeError
+from modelgraft.graft import Graft, as_graft, scope
 from modelgraft.registry import Snapshot
 from modelgraft.report import ConversionRecord, ReplacedModule, _report_for
 
@@ -92,18 +93,24 @@ class _Target:
 
 def graft_model(
     model: torch.nn.Module,
-    mapping: Mapping[str, type[torch.nn.Module]] | Any | None = None,
+    mapping: Graft | Mapping[str, type[torch.nn.Module]] | None = None,
     conversions: Mapping[str, Sequence[Any]] | None = None,
 ) -> torch.nn.Module:
     """Replace, in place, the modules of a built model whose classes the patches replace.
 
     Args:
         model: a built (usually loaded) model; a ``PreTrainedModel`` or any ``nn.Module``.
-        mapping: patch mapping to apply, as for ``register_patch_mapping``, or a ready-made graft
-            (``modelgraft.grafts.fused_qkv("llama")``: its mapping and conversions). ``None`` uses
-            what is registered (and any active ``patched(...)`` scope).
-        conversions: ``{model_type_or_class_name: [WeightConverter, ...]}`` used on top of the
-            registered conversions to carry weights into replacements with another layout.
+        mapping: the graft to apply: a :class:`~modelgraft.Graft` (``modelgraft.grafts.fused_qkv("llama")``:
+            its classes and conversions), or a patch mapping as for ``register_patch_mapping``.
+            It applies over what is registered (and any active ``patched(...)`` scope); ``None``
+            applies only what is registered.
+        conversions: ``{model_type_or_class_name: [WeightConverter, ...]}`` added to the graft, to
+            carry weights into replacements with another layout.
+
+    A key that matches the model's own class (``chunked_lm_loss()`` replaces ``*ForCausalLM``)
+    switches the class of the model object itself, in place, when the replacement is a subclass
+    that adds no constructor state (its ``__init__`` is the original's): parameters, buffers and
+    hooks stay as they are.
 
     Returns:
         ``model`` itself; :func:`modelgraft.report` lists the replaced modules and conversions.
@@ -113,17 +120,17 @@ def graft_model(
             original weight that nothing in the replacement takes (the model is unchanged).
         GraftStateError: state that cannot be carried exactly: a weight fused from originals whose
             ``requires_grad``, dtype or device differ, a hook on a module the replacement does not
-            keep, an accelerate hook (the model is unchanged).
+            keep, an accelerate hook, a replacement of the model's own class that has a constructor
+            of its own (the model is unchanged).
+        ReplacementTypeError: a key matches the model's own class and its replacement is not a
+            subclass of it (the model is unchanged).
         GraftError: a replacement could not be constructed (the model is unchanged).
     """
-    if mapping is not None and not isinstance(mapping, Mapping) and hasattr(mapping, "mapping"):
-        bundle = mapping  # a ready-made graft: its mapping plus its conversions
-        mapping = bundle.mapping
-        if conversions is None:
-            conversions = getattr(bundle, "conversions", None)
-    with _scope(mapping, conversions) as snap:
+    graft = as_graft(mapping, conversions)
+    with _scope(graft) as snap:
         if not snap:
             return model
+        root = _plan_root(model, snap)  # refused here, before anything else is looked at
         targets = _plan_targets(model, snap)
         for target in targets:  # build, fill and check everything before touching the model
             _build(model, target, snap)
@@ -131,17 +138,26 @@ def graft_model(
         # whatever is registered then (see conversion/save.py).
         scopes = resolve_scopes(model) if targets else []
         _swap_in(model, targets)
+        if root is not None:
+            model.__class__ = root.replacement_cls
         if targets:
             remember_graft(model, [g for t in targets for g in t.groups], scopes)
     rep = _report_for(model)
     used = {t.key for t in targets}
+    if root is not None:
+        used.add(root.key)
+        if root.original is not None:  # a new class for the model object: one entry for the root
+            rep.replaced[:] = [r for r in rep.replaced if r.path != ""]
+            rep.replaced.append(
+                ReplacedModule("", _qualname(root.original), _qualname(root.replacement_cls), root.key)
+            )
     rep.replaced.extend(
         ReplacedModule(t.path, _qualname(type(t.original)), _qualname(t.replacement_cls), t.key)
         for t in targets
     )
     rep.conversions.extend(r for t in targets for r in t.records)
-    if mapping is not None:
-        rep.unmatched_keys.extend(k for k in mapping if k not in used and k not in rep.unmatched_keys)
+    if graft is not None:
+        rep.unmatched_keys.extend(k for k in graft.mapping if k not in used and k not in rep.unmatched_keys)
     if targets:
         recorders.patch_output_recorders(
             model, replacements={type(t.original): t.replacement_cls for t in targets}
@@ -150,15 +166,54 @@ def graft_model(
 
 
 @contextlib.contextmanager
-def _scope(
-    mapping: Mapping[str, type[torch.nn.Module]] | None, conversions: Mapping[str, Sequence[Any]] | None
-) -> Iterator[Snapshot]:
-    with contextlib.ExitStack() as stack:
-        if conversions is not None:
-            stack.enter_context(rules.scoped_conversions(conversions))
-        snap = stack.enter_context(registry.scoped(mapping)) if mapping is not None else registry.snapshot()
+def _scope(graft: Graft | None) -> Iterator[Snapshot]:
+    with scope(graft) if graft is not None else contextlib.nullcontext(registry.snapshot()) as snap:
         # One snapshot for the whole graft: its conversion lookups read it, not the live registry.
-        yield stack.enter_context(registry.pinned(snap))
+        with registry.pinned(snap):
+            yield snap
+
+
+@dataclass(frozen=True)
+class _Root:
+    """The new class of the model object itself, and the key that chose it."""
+
+    key: str
+    replacement_cls: type
+    original: type | None  # the class the model stands for; None when it already has the replacement
+
+
+def _plan_root(model: torch.nn.Module, snap: Snapshot) -> _Root | None:
+    """Whether a key replaces the model's own class, and with what; refuse what cannot be exact.
+
+    A switch of ``model.__class__`` keeps every parameter, buffer and hook, so it is exact only
+    when the replacement (and the model's current class) add nothing to the state the original
+    constructor builds: the same ``__init__`` and the same instance layout.
+    """
+    current = type(model)
+    original = current.__dict__.get("_modelgraft_original", current)  # a grafted class stands for this
+    found = snap.find(original.__name__)
+    if found is None or found[1] is original:
+        return None
+    key, replacement = found
+    if replacement is current:
+        return _Root(key, replacement, None)
+    if not isinstance(replacement, type) or not issubclass(replacement, original):
+        raise ReplacementTypeError(
+            f"Patch key `{key}` matches the model's own class `{original.__name__}`, but its replacement "
+            f"`{getattr(replacement, '__qualname__', replacement)}` is not a subclass of it, so the model object "
+            f"cannot become one. Derive the replacement from `{original.__name__}`, or anchor the key so that "
+            "it does not match the model's class. The model was left unchanged."
+        )
+    for cls in (replacement, current):
+        if cls.__init__ is not original.__init__ or cls.__basicsize__ != original.__basicsize__:
+            raise GraftStateError(
+                f"Patch key `{key}` matches the model's own class `{original.__name__}`, and `{cls.__qualname__}` "
+                "has a constructor (or instance layout) of its own: switching the class of the built model would "
+                "skip the state it sets up. Load the model under the graft instead (`with modelgraft.patched(graft): "
+                "...from_pretrained(...)`), or give the replacement no `__init__` of its own. The model was left "
+                "unchanged."
+            )
+    return _Root(key, replacement, original)
 
 
 def _qualname(cls: type) -> str:

@@ -48,19 +48,33 @@ def uninstall_instance_lookup() -> None:
 
 
 # ---- patching -----------------------------------------------------------------------------------
-def _patched_spec(spec: object, replace: Callable[[type], type | None]) -> object:
-    """Return ``spec`` with recorded classes replaced (a new object; ``spec`` is never mutated)."""
+def _patched_spec(
+    spec: object, replace: Callable[[type], type | None], by_name: Callable[[str], type | None]
+) -> object:
+    """Return ``spec`` with recorded classes replaced (a new object; ``spec`` is never mutated).
+
+    As in transformers, a class-name string (or an ``OutputRecorder`` with only a ``class_name``)
+    that names a patched class is replaced by the replacement class; other strings stay as they
+    are (they match module paths, which a swap does not change).
+    """
     if isinstance(spec, list):
-        new = [_patched_spec(s, replace) for s in spec]
+        new = [_patched_spec(s, replace, by_name) for s in spec]
         return new if any(a is not b for a, b in zip(new, spec)) else spec
     if isinstance(spec, type):
         return replace(spec) or spec
+    if isinstance(spec, str):
+        return by_name(spec) or spec
     target = getattr(spec, "target_class", None)
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type) and isinstance(target, type):
         replacement = replace(target)
         if replacement is not None:
             return dataclasses.replace(spec, target_class=replacement)
-    return spec  # class-name strings match module paths, which a swap does not change
+    name = getattr(spec, "class_name", None)
+    if dataclasses.is_dataclass(spec) and target is None and isinstance(name, str):
+        replacement = by_name(name)
+        if replacement is not None:
+            return dataclasses.replace(spec, target_class=replacement)
+    return spec
 
 
 def patch_output_recorders(
@@ -95,9 +109,13 @@ def patch_output_recorders(
     """
     if replacements is not None:
         by_class = dict(replacements)
+        names = {cls.__name__: new for cls, new in by_class.items()}
 
         def replace(cls: type) -> type | None:
             return by_class.get(cls)
+
+        def by_name(name: str) -> type | None:
+            return names.get(name)
 
     else:
         current = snap or registry.snapshot()
@@ -108,13 +126,17 @@ def patch_output_recorders(
             found = current.find(cls.__name__)
             return None if found is None or found[1] is cls else found[1]
 
+        def by_name(name: str) -> type | None:
+            found = current.find(name)
+            return None if found is None else found[1]
+
     install_instance_lookup()
     patched = 0
     for module in model.modules():
         recorders = getattr(module, _ATTR, None)
         if not isinstance(recorders, Mapping):
             continue
-        new = {name: _patched_spec(spec, replace) for name, spec in recorders.items()}
+        new = {name: _patched_spec(spec, replace, by_name) for name, spec in recorders.items()}
         if any(new[name] is not spec for name, spec in recorders.items()):
             # An instance attribute: the class-level dict stays as transformers defined it.
             object.__setattr__(module, _ATTR, new)

@@ -66,6 +66,7 @@ __all__ = [
     "pinned",
     "register",
     "register_patch_mapping",
+    "restoring",
     "scoped",
     "snapshot",
     "unregister",
@@ -470,7 +471,7 @@ def _duplicate_patch(key: str, existing: type) -> PatchRegistrationError:
 
 def _unknown_patch(missing: list[str], registered: list[str]) -> PatchRegistrationError:
     return PatchRegistrationError(
-        f"Cannot unregister `{missing[0]}`: the key is not registered (not found in the patch mapping). "
+        f"Cannot unregister `{missing[0]}`: the key is not registered (not found in monkey patch mapping cache). "
         f"Registered keys: {registered}. Use the exact string given at registration."
     )
 
@@ -579,6 +580,30 @@ def get_patch_mapping() -> dict[str, type]:
         {}
     """
     return dict(snapshot().mapping)
+
+
+@contextmanager
+def restoring() -> Iterator[None]:
+    """Put the global registry (classes and conversions) back as it is now when the block ends.
+
+    One step for both kinds, for test fixtures that must leave the process as they found it.
+
+    Example:
+        >>> with restoring():
+        ...     register_patch_mapping({"LlamaMLP": torch.nn.Identity})
+        >>> get_patch_mapping()
+        {}
+    """
+    global _global
+    with _write_lock:
+        saved = _global
+    try:
+        yield
+    finally:
+        with _write_lock:
+            _global = saved
+            for kind in _KINDS:
+                _positions[kind] = {e.key: i for i, e in enumerate(saved.table(kind))}
 
 
 # ---- reading: snapshots ------------------------------------------------------------------------
@@ -702,15 +727,16 @@ def _pushed(layer: _Layer) -> Iterator[None]:
 
 @contextmanager
 def scoped(
-    mapping: Mapping[str, type[torch.nn.Module]] | None = None,
+    mapping: Mapping[str, type[torch.nn.Module]] | Any | None = None,
     *,
     conversions: Mapping[str, tuple[Any, ...]] | None = None,
     strict: bool = False,
 ) -> Iterator[Snapshot]:
     """Layer ``mapping`` (and ``conversions``) over the registry for this thread/task, inside the block.
 
-    Classes are validated like :func:`register_patch_mapping`; ``conversions`` must already be
-    validated (``modelgraft.conversion.rules`` does it). Blocks nest (the inner one wins on equal
+    ``mapping`` is a dict of classes or a :class:`modelgraft.Graft` (its classes and conversions go
+    in together). Classes are validated like :func:`register_patch_mapping`; ``conversions`` must
+    already be validated (``modelgraft.conversion.rules`` does it). Blocks nest (the inner one wins on equal
     keys) and may be exited in any order. ``strict`` makes loads inside the block strict. Yields
     the effective snapshot.
 
@@ -723,6 +749,10 @@ def scoped(
         >>> get_patch_mapping()
         {}
     """
+    entries = getattr(mapping, "__modelgraft_entries__", None)
+    if entries is not None:  # a ``modelgraft.Graft``: its classes and (validated) conversions
+        mapping, own = entries()
+        conversions = {**own, **(conversions or {})}
     layer = _Layer(
         _Table(_validate(mapping if mapping is not None else {}, "scoped")),
         _Table(_conversion_entries(conversions or {}, "scoped")),

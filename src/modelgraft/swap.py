@@ -96,14 +96,15 @@ def remove_scope_prefix(prefix: str) -> None:
 
 
 def _name_in_scope(name: str) -> bool:
+    # A prefix the user added counts first, also inside transformers (`transformers.generation`).
+    if any(name == p or name.startswith(p + ".") for p in _user_prefixes):
+        return True
     if name.startswith("transformers."):
         parts = name.split(".")
         if parts[1] == "models":
             return len(parts) >= 4 and parts[-1].startswith("modeling_")
         return parts[1] == "integrations"
-    if name.startswith("transformers_modules."):
-        return True
-    return any(name == p or name.startswith(p + ".") for p in _user_prefixes)
+    return name.startswith("transformers_modules.")
 
 
 def in_scope_modules() -> list[tuple[str, ModuleType]]:
@@ -156,7 +157,7 @@ def _plan(
 ) -> dict[str, tuple[str, ...]]:
     """Return, per module name, the names bound there that ``snap`` replaces."""
     _refresh_index(modules)
-    cache_key = (snap.version, _index_generation, extra)
+    cache_key = (snap.version, _index_generation, extra, _user_prefixes)  # the scope changes with prefixes
     plan = _plan_cache.get(cache_key)
     if plan is not None:
         return plan

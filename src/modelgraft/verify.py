@@ -20,7 +20,7 @@ fails with the reason):
 
 Weights are compared bit for bit (a NaN weight equals itself, ``-0.0`` differs from ``0.0``).
 
-The target is a model type (a tiny config from :func:`modelgraft.testing.tiny_config` and a
+The target is a model type (a tiny config, as :func:`modelgraft.testing.tiny_config` makes it, and a
 temporary checkpoint, all offline), a config, or a local checkpoint folder.
 
 Example:
@@ -34,8 +34,10 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import numbers
+import operator
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -48,6 +50,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers import logging as hf_logging
 
 from modelgraft._compare import compare_outputs, few, same_bits
+from modelgraft._families import tiny_config
 from modelgraft._target import (
     TargetError,
     ensure_model_class,
@@ -56,7 +59,8 @@ from modelgraft._target import (
     resolve_config,
 )
 from modelgraft.errors import VerifyArgumentError
-from modelgraft.hooks import patched, unpatched
+from modelgraft.graft import Graft, as_graft, scope
+from modelgraft.hooks import unpatched
 from modelgraft.report import report
 
 __all__ = ["Check", "VerifyArgumentError", "VerifyReport", "verify"]
@@ -128,10 +132,10 @@ class VerifyReport:
 
 def verify(
     target: str | Path | PretrainedConfig,
-    mapping: Mapping[str, type[torch.nn.Module]] | Any | None = None,
+    mapping: Graft | Mapping[str, type[torch.nn.Module]] | None = None,
     conversions: Mapping[str, Sequence[Any]] | None = None,
     *,
-    graft: Any = None,
+    graft: Graft | Sequence[Graft] | None = None,
     atol: float = 1e-5,
     rtol: float = 0.0,
     seed: int = 0,
@@ -143,11 +147,10 @@ def verify(
     Args:
         target: a model type (``"llama"``; a tiny config and checkpoint are made), a
             ``PretrainedConfig`` (a checkpoint is made from it), or a local checkpoint folder.
-        mapping: patch mapping of the graft, as for ``patched`` (or a ready-made graft).
+        mapping: the graft: a :class:`~modelgraft.Graft`, or a patch mapping as for ``patched``.
         conversions: ``{model_type_or_class_name: [WeightConverter, ...]}`` of the graft.
-        graft: a ready-made graft (anything with ``.mapping`` and ``.conversions``) or a list of
-            them, added to ``mapping``/``conversions``. With no mapping, conversions or graft, the
-            globally registered patches are verified.
+        graft: a :class:`~modelgraft.Graft` or a list of them, added to ``mapping``/``conversions``.
+            With no mapping, conversions or graft, the globally registered patches are verified.
         atol: absolute tolerance of the output comparisons (a finite number >= 0; 0 asks for
             bit-identical outputs).
         rtol: relative tolerance of the output comparisons (a finite number >= 0).
@@ -164,16 +167,14 @@ def verify(
             or a seed that is not an int >= 0.
         TargetError: a target that does not exist or cannot be read, a model class that is not a
             ``PreTrainedModel`` subclass, or a plain model that cannot be built from the target.
-        GraftError: a graft whose keys or replacements are invalid (nothing is registered).
+        GraftError: a graft whose keys or replacements are invalid, or grafts that replace one
+            key with different classes (nothing is registered).
     """
     atol, rtol = _tolerance("atol", atol), _tolerance("rtol", rtol)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise VerifyArgumentError(f"`seed` must be an int >= 0; received `{seed!r}`.")
-    if mapping is not None and not isinstance(mapping, Mapping) and hasattr(mapping, "mapping"):
-        graft = [mapping, *(() if graft is None else graft if isinstance(graft, list | tuple) else [graft])]
-        mapping = None  # a ready-made graft passed in the mapping's place
-    mapping, conversions = _merge_grafts(mapping, conversions, graft)
-    with _grafting(mapping, conversions):
+    combined = _combined(mapping, conversions, graft)
+    with _grafting(combined):
         pass  # an invalid key or replacement is an error of the call, not a failed check
     config, checkpoint = _resolve(target)
     if model_class is not None:
@@ -184,7 +185,7 @@ def verify(
         cls = model_class_for(config)
     result = VerifyReport(str(getattr(target, "model_type", target)), cls.__name__)
     with _workdir(workdir) as work, _quiet():
-        _run(result, cls, config, checkpoint, work, mapping, conversions, atol, rtol, seed)
+        _run(result, cls, config, checkpoint, work, combined, atol, rtol, seed)
     return result
 
 
@@ -204,32 +205,19 @@ def _tolerance(name: str, value: object) -> float:
     return float(value)
 
 
-def _merge_grafts(
-    mapping: Mapping[str, type[torch.nn.Module]] | None,
+def _combined(
+    mapping: Graft | Mapping[str, type[torch.nn.Module]] | None,
     conversions: Mapping[str, Sequence[Any]] | None,
-    graft: Any,
-) -> tuple[dict[Any, Any] | None, dict[Any, Any] | None]:
-    bundles = [] if graft is None else list(graft) if isinstance(graft, list | tuple) else [graft]
-    if len(bundles) > 1 and all(hasattr(b, "__add__") and hasattr(b, "model_types") for b in bundles):
-        combined = bundles[0]
-        for b in bundles[1:]:
-            combined = combined + b  # ready-made grafts fold transformers' built-ins in once
-        bundles = [combined]
-    if mapping is None and conversions is None and not bundles:
-        return None, None
-    merged_map: dict[Any, Any] = dict(mapping or {})
-    merged_conv: dict[Any, Any] = {k: list(v) for k, v in (conversions or {}).items()}
-    for b in bundles:
-        merged_map.update(getattr(b, "mapping", {}) or {})
-        for key, convs in (getattr(b, "conversions", {}) or {}).items():
-            merged_conv.setdefault(key, []).extend(convs)
-    return merged_map, merged_conv or None
+    graft: Graft | Sequence[Graft] | None,
+) -> Graft | None:
+    """Everything given, as one graft (None: verify what is registered)."""
+    extra = [] if graft is None else list(graft) if isinstance(graft, list | tuple) else [graft]
+    parts = [g for g in (as_graft(mapping, conversions), *(as_graft(g) for g in extra)) if g is not None]
+    return functools.reduce(operator.add, parts) if parts else None
 
 
 def _resolve(target: str | Path | PretrainedConfig) -> tuple[PretrainedConfig, Path | None]:
     if isinstance(target, str) and not looks_like_path(target) and not Path(target).expanduser().exists():
-        from modelgraft.testing import tiny_config
-
         return tiny_config(target), None
     return resolve_config(target)
 
@@ -263,13 +251,9 @@ def _from_pretrained(cls: type[PreTrainedModel], path: str | Path, **kwargs: Any
     return load(path, **kwargs)
 
 
-@contextlib.contextmanager
-def _grafting(mapping: dict[Any, Any] | None, conversions: dict[Any, Any] | None) -> Iterator[None]:
-    if mapping is None and conversions is None:
-        yield  # verify what is registered globally
-        return
-    with patched(mapping or {}, conversions=conversions):
-        yield
+def _grafting(graft: Graft | None) -> contextlib.AbstractContextManager[Any]:
+    """The graft's scope for one load, or nothing: then what is registered globally is verified."""
+    return scope(graft) if graft is not None else contextlib.nullcontext()
 
 
 # ---- the checks -------------------------------------------------------------------------------------
@@ -279,8 +263,7 @@ def _run(
     config: PretrainedConfig,
     checkpoint: Path | None,
     work: Path,
-    mapping: dict[Any, Any] | None,
-    conversions: dict[Any, Any] | None,
+    graft: Graft | None,
     atol: float,
     rtol: float,
     seed: int,
@@ -295,7 +278,7 @@ def _run(
         ) from exc
 
     try:
-        with _grafting(mapping, conversions):
+        with _grafting(graft):
             torch.manual_seed(seed + 1)
             grafted, info = _from_pretrained(cls, checkpoint, dtype=torch.float32, output_loading_info=True)
     except Exception as exc:
@@ -305,7 +288,7 @@ def _run(
     checks.append(_check_builds(grafted))
 
     try:
-        with _grafting(mapping, conversions):
+        with _grafting(graft):
             torch.manual_seed(seed + 2)
             second = _from_pretrained(cls, checkpoint, dtype=torch.float32)
         checks.append(_check_loaded(grafted, second, info))

@@ -36,7 +36,6 @@ from modelgraft.grafts import (
     linear_experts,
     linear_experts_class,
 )
-from modelgraft.grafts._bundle import _Part, graft_built_model
 from modelgraft.grafts._fused import fuse_linears
 
 # Fused 3D experts exist on transformers 5.x only (tests using them are marked requires_fused_experts).
@@ -125,7 +124,7 @@ def test_grafts_add_up_and_merge_conversions_per_model_type() -> None:
 
 
 def test_adding_grafts_that_replace_one_class_differently_is_an_error() -> None:
-    other = Graft("other", ("llama",), (("llama", lambda: _Part({"LlamaAttention": nn.Identity})),))
+    other = Graft({"LlamaAttention": nn.Identity}, name="other")
     with pytest.raises(GraftConflictError, match=r"`LlamaAttention` is replaced by both"):
         fused_qkv("llama") + other
 
@@ -165,7 +164,7 @@ def _plain_and_grafted(model_type: str, *grafts: Graft) -> tuple[nn.Module, nn.M
     graft = grafts[0]
     for other in grafts[1:]:
         graft = graft + other
-    graft_built_model(graft, grafted)
+    modelgraft.graft_model(grafted, graft)
     return plain, grafted
 
 
@@ -330,7 +329,11 @@ def test_per_expert_forward_skips_the_expert_parallel_sentinel() -> None:
     original = Qwen2MoeExperts(config)
     nn.init.normal_(original.gate_up_proj, std=0.1)
     nn.init.normal_(original.down_proj, std=0.1)
-    experts = linear_experts_class(Qwen2MoeExperts)._from_original(original)
+    model = family("qwen2_moe").causal_lm()
+    model.model.layers[0].mlp.experts.load_state_dict(original.state_dict())
+    grafted = modelgraft.graft_model(model, linear_experts("qwen2_moe"))  # takes the built experts over
+    experts = grafted.model.layers[0].mlp.experts
+    assert type(experts) is linear_experts_class(Qwen2MoeExperts)
     hidden = torch.randn(6, config.hidden_size)
     index = torch.tensor([[0, 1], [2, 3], [1, 4], [4, 0], [3, 2], [4, 4]])  # 4 == num_experts: skipped
     weights = torch.rand(6, 2)

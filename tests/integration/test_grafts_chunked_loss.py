@@ -28,6 +28,7 @@ from modelgraft.grafts import (
     UnsupportedFamilyError,
     chunked_lm_loss,
     chunked_lm_loss_class,
+    fused_qkv,
     graft_chunked_lm_loss,
 )
 
@@ -406,6 +407,33 @@ def test_graft_chunked_lm_loss_is_reported_and_can_change_the_chunk_size() -> No
     inputs, labels = _batch(plain, "llama")
     want, _ = _step(plain, **inputs, labels=labels)
     got, _ = _step(grafted, **inputs, labels=labels)
+    _assert_close(got.loss, want.loss, "loss")
+
+
+def test_graft_model_switches_a_built_model_to_the_chunked_loss() -> None:
+    """``graft_model`` is the one way to graft a built model: a key naming the model's own class
+    switches the model object (``graft_chunked_lm_loss`` is this, with the graft alone)."""
+    plain = family("llama").causal_lm().train()
+    grafted = modelgraft.graft_model(copy.deepcopy(plain), chunked_lm_loss("llama", chunk_size=CHUNK))
+    assert type(grafted) is chunked_lm_loss_class(LlamaForCausalLM, chunk_size=CHUNK)
+    assert [(r.path, r.key) for r in modelgraft.report(grafted).replaced] == [("", "LlamaForCausalLM")]
+    inputs, labels = _batch(plain, "llama")
+    want, want_grads = _step(plain, **inputs, labels=labels)
+    got, got_grads = _step(grafted, **inputs, labels=labels)
+    assert got.logits is None
+    _assert_close(got.loss, want.loss, "loss")
+    _assert_same_gradients(got_grads, want_grads)
+
+
+def test_graft_model_applies_the_chunked_loss_with_other_grafts() -> None:
+    plain = family("qwen3").causal_lm().train()
+    graft = fused_qkv("qwen3") + chunked_lm_loss("qwen3", chunk_size=CHUNK)
+    grafted = modelgraft.graft_model(copy.deepcopy(plain), graft)
+    assert type(grafted).__name__ == "ChunkedLossQwen3ForCausalLM"
+    assert type(grafted.model.layers[0].self_attn).__name__ == "FusedQKVQwen3Attention"
+    inputs, labels = _batch(plain, "qwen3")
+    want, _ = _step(plain, backward=False, **inputs, labels=labels)
+    got, _ = _step(grafted, backward=False, **inputs, labels=labels)
     _assert_close(got.loss, want.loss, "loss")
 
 

@@ -7,13 +7,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
 import modelgraft
 from _versions import requires_fused_experts
 from families import Family, family, family_params
-from modelgraft import ConversionError, GraftError, graft_model, report
+from modelgraft import ConversionError, GraftError, ReplacementTypeError, graft_model, report
+from modelgraft.errors import GraftStateError
 from modelgraft.grafts import FUSED_QKV_FAMILIES, LINEAR_EXPERTS_FAMILIES, fused_qkv, linear_experts
 from modelgraft.testing import tiny_config
 
@@ -300,3 +301,65 @@ def test_a_ready_made_graft_can_be_passed_whole() -> None:
     graft_model(model, fused_qkv("llama"))  # mapping and conversions from the bundle
     assert "LlamaAttention" not in _classes(model)
     torch.testing.assert_close(_logits(model), before, atol=1e-5, rtol=0)
+
+
+# ---- a key that names the model's own class (issue 14, point 4) -----------------------------------
+class _TracedMLP(LlamaMLP):
+    pass
+
+
+class _LoudCausalLM(LlamaForCausalLM):
+    """Adds no constructor state: the model object can become one by a class switch."""
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+
+
+class _CausalLMWithState(LlamaForCausalLM):
+    def __init__(self, config: object) -> None:
+        super().__init__(config)
+        self.extra = nn.Linear(4, 4)
+
+
+def test_a_key_naming_the_models_own_class_switches_the_model_object() -> None:
+    model = _model("llama")
+    before = _logits(model)
+    weights = {name: p for name, p in model.named_parameters()}
+    assert graft_model(model, {"LlamaForCausalLM": _LoudCausalLM, "LlamaMLP": _TracedMLP}) is model
+    assert type(model) is _LoudCausalLM
+    assert type(model.model.layers[0].mlp) is _TracedMLP
+    assert all(p is weights[name] for name, p in model.named_parameters())  # the same parameters
+    torch.testing.assert_close(_logits(model), 2 * before, atol=0, rtol=0)
+    replaced = [(r.path, r.key, r.replacement.rsplit(".", 1)[-1]) for r in report(model).replaced]
+    assert replaced[0] == ("", "LlamaForCausalLM", "_LoudCausalLM") and len(replaced) == 3
+    assert report(model).unmatched_keys == []
+
+
+@pytest.mark.parametrize(
+    ("replacement", "error", "match"),
+    [
+        (
+            nn.Identity,
+            ReplacementTypeError,
+            r"`LlamaForCausalLM` matches the model's own class `LlamaForCausalLM`, but its replacement "
+            r"`Identity` is not a subclass of it.*unchanged",
+        ),
+        (
+            _CausalLMWithState,
+            GraftStateError,
+            r"`_CausalLMWithState` has a constructor \(or instance layout\) of its own.*unchanged",
+        ),
+    ],
+    ids=["not-a-subclass", "own-constructor"],
+)
+def test_a_replacement_of_the_models_own_class_that_cannot_be_exact_is_refused(
+    replacement, error, match
+) -> None:
+    model = _model("llama")
+    before = _logits(model)
+    with pytest.raises(error, match=match):
+        graft_model(model, {"LlamaForCausalLM": replacement, "LlamaMLP": _TracedMLP})
+    assert type(model) is LlamaForCausalLM and "_TracedMLP" not in _classes(model)  # nothing half-applied
+    assert torch.equal(_logits(model), before) and report(model).replaced == []

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from modelgraft.moe import moe_layers, record_routing, replay_routing
-from modelgraft.moe._families import build_tiny
+from moe_families import build_tiny
 
 WORLD = 2
 

@@ -16,7 +16,7 @@ from _versions import MIN_MOE_FAMILIES, MIN_MOE_FAMILIES_RUNNING
 from families import Family, family_params
 from modelgraft import RoutingError
 from modelgraft.moe import _intercept, moe_layers, record_routing, replay_routing
-from modelgraft.moe._families import build_tiny, moe_model_types
+from moe_families import build_tiny, moe_model_types
 
 FAMILIES = moe_model_types()
 BATCH, SEQ = 2, 4

@@ -21,7 +21,7 @@ from transformers import AutoConfig
 from _versions import IS_V5
 from modelgraft import RoutingError
 from modelgraft.moe import moe_layers, record_routing, replay_routing
-from modelgraft.moe._families import build_tiny, moe_model_types
+from moe_families import build_tiny, moe_model_types
 
 EXPERTS = 8
 BATCH, SEQ = 2, 3

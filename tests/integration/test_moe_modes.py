@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from modelgraft.moe import layout_requests, moe_layers, record_routing, replay_routing
-from modelgraft.moe._families import build_tiny
+from moe_families import build_tiny
 
 
 def _tiny(model_type: str = "qwen3_moe", **overrides) -> torch.nn.Module:

@@ -15,7 +15,7 @@ import torch
 
 from modelgraft import RoutingError
 from modelgraft.moe import RoutingTrace, from_sglang, from_vllm, join_routes, moe_layers, replay_routing
-from modelgraft.moe._families import build_tiny
+from moe_families import build_tiny
 
 LENGTHS = [5, 3]  # tokens per request: prompt + completion
 
@@ -143,7 +143,8 @@ def test_trace_save_load_round_trip(tmp_path) -> None:
         "deepseek_v3",
     )
     assert loaded.layer_names == trace.layer_names
-    assert all(torch.equal(a, b) and a.dtype == torch.long for a, b in zip(loaded, trace))
+    # Ids come back in the smallest dtype that holds 8 experts (issue 11, point 5).
+    assert all(torch.equal(a.long(), b) and a.dtype == torch.uint8 for a, b in zip(loaded.layers, trace))
 
 
 def test_trace_load_rejects_other_files(tmp_path) -> None:

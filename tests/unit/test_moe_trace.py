@@ -60,7 +60,8 @@ def _write(tmp_path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str
 def test_an_untampered_file_loads(tmp_path: Path) -> None:
     loaded = RoutingTrace.load(_write(tmp_path, _tensors(), _meta()))
     assert loaded.layer_ids == [0, 1] and loaded.top_k == 2 and loaded.num_experts == 8
-    assert [t.dtype for t in loaded] == [torch.long, torch.long]
+    assert [t.dtype for t in loaded.layers] == [torch.uint8, torch.uint8]  # compact in memory (issue 11)
+    assert [t.dtype for t in loaded] == [torch.long, torch.long]  # indexing gives int64
     assert loaded[0].tolist() == [[0, 7], [3, 2]]
 
 

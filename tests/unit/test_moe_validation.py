@@ -8,7 +8,7 @@ from torch import nn
 
 from modelgraft import RoutingError
 from modelgraft.moe import RoutingTrace, moe_layers, record_routing, replay_routing
-from modelgraft.moe._families import build_tiny
+from moe_families import build_tiny
 
 
 @pytest.fixture(scope="module")

@@ -155,6 +155,17 @@ def test_errors_keep_their_old_import_paths() -> None:
         modelgraft.FusionError,
         modelgraft.UnknownModelTypeError,
     )
+    # The experts errors moved from the modules that raise them; linear_experts re-exported both.
+    from modelgraft.grafts.linear_experts import ExpertsAdapterError, ExpertsImplementationError
+
+    assert (ExpertsAdapterError, ExpertsImplementationError) == (
+        modelgraft.ExpertsAdapterError,
+        modelgraft.ExpertsImplementationError,
+    )
+    assert (grafts.ExpertsAdapterError, grafts.ExpertsImplementationError) == (
+        modelgraft.ExpertsAdapterError,
+        modelgraft.ExpertsImplementationError,
+    )
 
 
 def test_no_private_exception_outside_the_known_list() -> None:

@@ -10,7 +10,8 @@ operation, or a layout too fragmented to be worth it, gives ``None``: the tensor
 the operations run as usual.
 
 Example:
-    >>>     >>> def rows(name, offset):  # a 2x2 fp32 tensor stored at ``offset`` of file ``name``
+    >>> from modelgraft.conversion.ops import Concatenate, MergeModulelist
+    >>> def rows(name, offset):  # a 2x2 fp32 tensor stored at ``offset`` of file ``name``
     ...     return ByteLayout((2, 2), 4, ((name, offset, 16),))
     >>> experts = [[rows("f", 0), rows("f", 100)], [rows("f", 200), rows("f", 300)]]  # gate, up
     >>> out = convert_layouts([MergeModulelist(dim=0), Concatenate(dim=1)], experts, min_average_range=0)

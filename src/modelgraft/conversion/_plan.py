@@ -17,42 +17,16 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
+from modelgraft.conversion._groups import Group, Plan
 from modelgraft.conversion.keys import bucket_keys
 from modelgraft.conversion.ops import ConversionContext, ShapeGroups, TensorGroups
 from modelgraft.conversion.rules import WeightConverter
 from modelgraft.errors import ConversionShapeError, IrreversibleConversionError, MissingSourceKeyError
 
 __all__ = ["Group", "Plan", "plan_groups", "run_convert", "run_reverse"]
-
-
-@dataclass(frozen=True)
-class Group:
-    """One converter application: source keys per source pattern, target keys per target pattern."""
-
-    converter: WeightConverter
-    sources: tuple[tuple[str, ...], ...]
-    targets: tuple[tuple[str, ...], ...]
-    source_shapes: ShapeGroups = field(default_factory=list, compare=False)
-
-    @property
-    def flat_sources(self) -> list[str]:
-        return [k for keys in self.sources for k in keys]
-
-    @property
-    def flat_targets(self) -> list[str]:
-        return [k for keys in self.targets for k in keys]
-
-
-@dataclass
-class Plan:
-    """Groups that can run, and target keys whose sources are entirely absent."""
-
-    groups: list[Group] = field(default_factory=list)
-    unsourced_targets: list[tuple[WeightConverter, str]] = field(default_factory=list)
 
 
 def _ordered(slot: dict[int | None, str]) -> tuple[str, ...]:
@@ -64,6 +38,7 @@ def plan_groups(
     target_keys: Iterable[str],
     source_shapes: Mapping[str, torch.Size],
     strict_sources: bool = True,
+    base_model_prefix: str | None = None,
 ) -> Plan:
     """Plan the groups of ``converters`` for a model whose parameters are ``target_keys``.
 
@@ -73,7 +48,13 @@ def plan_groups(
         source_shapes: checkpoint-side keys (already in the model's key space) and their shapes.
         strict_sources: raise :class:`MissingSourceKeyError` when a group finds some but not all
             of its source patterns.
+        base_model_prefix: only for entries with transformers' semantics, see
+            :func:`modelgraft.conversion._hf_plan.plan_hf_groups`.
     """
+    if any(conv._hf for conv in converters):
+        from modelgraft.conversion._hf_plan import plan_hf_groups
+
+        return plan_hf_groups(converters, target_keys, source_shapes, strict_sources, base_model_prefix)
     plan = Plan()
     target_keys = list(target_keys)
     taken: set[str] = set()
@@ -220,11 +201,17 @@ def _op_input_shapes(group: Group, target_shapes: ShapeGroups) -> list[ShapeGrou
 def run_reverse(group: Group, tensors: TensorGroups) -> TensorGroups:
     """Undo the group's operations (grafted layout back to the checkpoint layout), exactly."""
     ops = group.converter.operations
+    from modelgraft.conversion._hf_ops import TransformersOperation
+
     for op in ops:
         if not op.is_reversible:
+            wrapped = isinstance(op, TransformersOperation)
+            shown, method = (
+                (type(op.op).__name__, "reverse_op") if wrapped else (type(op).__name__, "reverse")
+            )
             raise IrreversibleConversionError(
                 f"Converter {group.converter!r} cannot write the original layout of `{group.flat_targets[0]}`: "
-                f"operation `{type(op).__name__}` has no `reverse`. Implement `reverse(tensors, context)` on it, "
+                f"operation `{shown}` has no `{method}`. Implement `{method}` on it, "
                 "or save the grafted layout with `model.save_pretrained(path, save_original_format=False)`."
             )
     target_shapes = [[t.shape for t in g] for g in tensors]

@@ -136,11 +136,21 @@ def apply_load_conversions(
 
     plans: list[tuple[Scope, Plan, list[Group]]] = []
     for scope in scopes:
-        owned_missing = sorted(scope.local(k) for k in missing_keys if scope_for(scopes, k) is scope)
+        # With transformers' renaming semantics a renamed checkpoint key never loads as itself, so
+        # every key of the scope may be a target (a group then overwrites what loaded by name).
+        pool = params if any(c._hf for c in scope.converters) else missing_keys
+        owned_missing = sorted(scope.local(k) for k in pool if scope_for(scopes, k) is scope)
         if not owned_missing:
             continue
-        src_shapes = {scope.local(m): source.shape(c) for c, m in to_model.items() if scope.owns(m)}
-        plan = plan_groups(scope.converters, owned_missing, src_shapes)
+        if any(c._hf for c in scope.converters) and not scope.path:
+            # transformers renames checkpoint keys before it adds or strips the base model prefix.
+            src_shapes = {new: source.shape(c) for c, new in renamed.items()}
+            to_ckpt.update((new, c) for c, new in renamed.items() if new not in to_ckpt)
+            base = getattr(model, "base_model_prefix", "") or None
+            plan = plan_groups(scope.converters, owned_missing, src_shapes, base_model_prefix=base)
+        else:
+            src_shapes = {scope.local(m): source.shape(c) for c, m in to_model.items() if scope.owns(m)}
+            plan = plan_groups(scope.converters, owned_missing, src_shapes)
         plans.append((scope, plan, [_globalise(g, scope) for g in plan.groups]))
     # Every group is checked before any runs: a bad checkpoint changes nothing in the model.
     _check_all(model, plans, params, source, name)
@@ -152,6 +162,7 @@ def apply_load_conversions(
             for k in group.flat_sources:
                 unexpected_keys.discard(k)
                 unexpected_keys.discard(to_ckpt.get(k, k))
+                unexpected_keys.discard(to_model.get(to_ckpt.get(k, k), k))  # a raw key planned as is
             rep.conversions.append(
                 ConversionRecord(repr(group.converter), tuple(group.flat_sources), tuple(group.flat_targets))
             )

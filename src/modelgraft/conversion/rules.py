@@ -54,15 +54,37 @@ class WeightConverter:
         source_patterns: checkpoint-side patterns, in the order the operations receive them.
         target_patterns: model-side patterns, in the order the operations produce them.
         operations: :class:`~modelgraft.conversion.ops.ConversionOperation` instances run in
-            order on load and reversed (in reverse order) on save.
+            order on load and reversed (in reverse order) on save; or operations written for
+            transformers (``convert(input_dict, source_patterns=..., target_patterns=..., **kwargs)``
+            returning a dict, with ``reverse_op``), which run as transformers runs them.
+
+    Patterns that are not all plain dotted segment runs (``.block_sparse_moe.gate``, ``^w``,
+    regexes) and converters with a ``scope_prefix`` match as transformers 5 matches them (see
+    :mod:`modelgraft.conversion._hf_patterns` and docs/porting.md). ``scope_prefix`` and
+    ``base_model_prefix`` may be set after construction, before the converter is registered.
 
     Example:
         >>> from modelgraft.conversion import Concatenate
         >>> WeightConverter(["q_proj", "k_proj", "v_proj"], "qkv_proj", [Concatenate(dim=0)])
         WeightConverter(['q_proj', 'k_proj', 'v_proj'] -> ['qkv_proj'], [Concatenate(dim=0)])
+        >>> WeightConverter(".block_sparse_moe.gate", ".mlp.gate").uses_transformers_semantics
+        True
     """
 
-    __slots__ = ("_sources", "_targets", "operations", "source_patterns", "target_patterns")
+    #: Subclasses that exist only in transformers' API (``PrefixChange``, ``GroupWeightRename``) match as it does.
+    always_transformers_semantics = False
+
+    __slots__ = (
+        "_hf",
+        "_matcher",
+        "_sources",
+        "_targets",
+        "base_model_prefix",
+        "operations",
+        "scope_prefix",
+        "source_patterns",
+        "target_patterns",
+    )
 
     source_patterns: tuple[str, ...]
     target_patterns: tuple[str, ...]
@@ -78,31 +100,74 @@ class WeightConverter:
     ) -> None:
         sources = as_patterns(source_patterns, "source_patterns")
         targets = as_patterns(target_patterns, "target_patterns")
-        ops = tuple(operations)
+        from modelgraft.conversion._hf_ops import adapt_operations
+
+        ops = adapt_operations(tuple(operations), sources, targets)
         for op in ops:
             if not isinstance(op, ConversionOperation):
                 raise ConversionError(
-                    f"Operation {op!r} of a converter for `{sources}` is not a modelgraft "
-                    "`ConversionOperation`. Use `modelgraft.Concatenate`, `Chunk`, ... or subclass "
-                    "`modelgraft.ConversionOperation`."
+                    f"Operation {op!r} of a converter for `{sources}` is neither a modelgraft "
+                    "`ConversionOperation` nor an operation written for transformers (a `convert(input_dict, "
+                    "source_patterns=..., target_patterns=..., **kwargs)` method). Use `modelgraft.Concatenate`, "
+                    "`Chunk`, ... or subclass `modelgraft.ConversionOperation`."
                 )
-        if not ops and len(sources) != len(targets):
+        object.__setattr__(self, "source_patterns", sources)
+        object.__setattr__(self, "target_patterns", targets)
+        object.__setattr__(self, "operations", ops)
+        object.__setattr__(self, "scope_prefix", None)
+        object.__setattr__(self, "base_model_prefix", None)
+        self._compile()
+
+    def _compile(self) -> None:
+        from modelgraft.conversion._hf_patterns import TransformMatcher, is_plain_pattern
+
+        sources, targets, ops = self.source_patterns, self.target_patterns, self.operations
+        many_to_first = not ops and len(targets) == 1 and len(sources) > 1
+        hf = (
+            type(self).always_transformers_semantics
+            or self.scope_prefix is not None
+            or many_to_first
+            or not all(is_plain_pattern(p) for p in (*sources, *targets))
+        )
+        if not ops and not hf and len(sources) != len(targets):
             raise ConversionError(
                 f"A converter without operations renames one to one, but `{list(sources)}` -> "
                 f"`{list(targets)}` differ in length. Add operations (e.g. `Concatenate(dim=0)`)."
             )
-        object.__setattr__(self, "source_patterns", sources)
-        object.__setattr__(self, "target_patterns", targets)
-        object.__setattr__(self, "operations", ops)
-        object.__setattr__(self, "_sources", tuple(Pattern(p) for p in sources))
-        object.__setattr__(self, "_targets", tuple(Pattern(p) for p in targets))
+        if hf:
+            matcher = TransformMatcher(sources, targets, self.scope_prefix, self.base_model_prefix)
+            pair = (matcher.sources, matcher.targets)
+        else:
+            matcher = None
+            pair = (tuple(Pattern(p) for p in sources), tuple(Pattern(p) for p in targets))
+        object.__setattr__(self, "_hf", hf)
+        object.__setattr__(self, "_matcher", matcher)
+        object.__setattr__(self, "_sources", pair[0])
+        object.__setattr__(self, "_targets", pair[1])
 
     def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"`{type(self).__name__}` is immutable; build a new one instead.")
+        if name in ("scope_prefix", "base_model_prefix"):
+            if value is not None and not isinstance(value, str):
+                raise ConversionError(f"`{name}` must be a string or None; received {value!r}.")
+            object.__setattr__(self, name, value)
+            self._compile()
+            return
+        raise AttributeError(
+            f"`{type(self).__name__}` is immutable (only `scope_prefix` and `base_model_prefix` can be set); "
+            "build a new one instead."
+        )
+
+    @property
+    def uses_transformers_semantics(self) -> bool:
+        """Whether this converter matches keys as transformers 5 does (see the class docstring)."""
+        return self._hf
 
     def __repr__(self) -> str:
         ops = f", {list(self.operations)}" if self.operations else ""
-        return f"{type(self).__name__}({list(self.source_patterns)} -> {list(self.target_patterns)}{ops})"
+        scope = f", scope_prefix={self.scope_prefix!r}" if self.scope_prefix is not None else ""
+        return (
+            f"{type(self).__name__}({list(self.source_patterns)} -> {list(self.target_patterns)}{ops}{scope})"
+        )
 
     # Immutable, so copies may share it; pickling rebuilds it through __init__ (which validates).
     def __copy__(self) -> WeightConverter:
@@ -112,7 +177,10 @@ class WeightConverter:
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_converter, (type(self), self.source_patterns, self.target_patterns, self.operations))
+        return (
+            _rebuild_converter,
+            (type(self), self.source_patterns, self.target_patterns, self.operations, self._scope()),
+        )
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -122,8 +190,11 @@ class WeightConverter:
     def __hash__(self) -> int:
         return hash(self._key())
 
+    def _scope(self) -> tuple[str | None, str | None]:
+        return (self.scope_prefix, self.base_model_prefix)
+
     def _key(self) -> tuple[Any, ...]:
-        return (self.source_patterns, self.target_patterns, self.operations)
+        return (self.source_patterns, self.target_patterns, self.operations, self._scope())
 
     @property
     def is_reversible(self) -> bool:
@@ -150,9 +221,14 @@ def _rebuild_converter(
     sources: tuple[str, ...],
     targets: tuple[str, ...],
     operations: tuple[Any, ...],
+    scope: tuple[str | None, str | None] = (None, None),
 ) -> WeightConverter:
     converter = object.__new__(cls)
     WeightConverter.__init__(converter, sources, targets, operations)
+    if scope != (None, None):
+        object.__setattr__(converter, "scope_prefix", scope[0])
+        object.__setattr__(converter, "base_model_prefix", scope[1])
+        converter._compile()
     return converter
 
 

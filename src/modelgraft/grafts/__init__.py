@@ -1,12 +1,13 @@
 """Ready-made grafts: fused QKV attention, fused gate/up MLP, per-expert ``nn.Linear`` experts, chunked LM loss.
 
-Each graft is a :class:`Graft`: a patch mapping plus the checkpoint conversions that go with it,
-for a set of model types. Use one globally or for one block::
+Each graft is a :class:`modelgraft.Graft`: the classes to replace plus the checkpoint conversions
+that go with them, for a set of model types. Pass it wherever modelgraft takes a patch mapping::
 
     graft = fused_qkv() + linear_experts()
-    with graft.applied():                      # or modelgraft.patched(graft.mapping, conversions=graft.conversions)
+    with modelgraft.patched(graft):            # or graft.applied()
         model = AutoModelForCausalLM.from_pretrained(path)
-    graft.register()                           # global, until graft.unregister()
+    modelgraft.graft_model(built_model, graft) # a model that is already built
+    modelgraft.register_graft(graft)           # global, until modelgraft.unregister_graft(graft)
 
 Example:
     >>> from modelgraft.grafts import fused_gate_up, fused_qkv
@@ -17,7 +18,13 @@ Example:
 
 from __future__ import annotations
 
-from modelgraft.grafts._bundle import Graft, GraftConflictError, UnsupportedFamilyError
+from modelgraft.errors import (
+    ExpertsAdapterError,
+    ExpertsImplementationError,
+    GraftConflictError,
+    UnsupportedFamilyError,
+)
+from modelgraft.graft import Graft
 from modelgraft.grafts._fused import FusedSlice, FusionError
 from modelgraft.grafts.chunked_loss import (
     CHUNKED_LM_LOSS_FAMILIES,
@@ -42,6 +49,8 @@ __all__ = [
     "FUSED_QKV_FAMILIES",
     "LINEAR_EXPERTS_FAMILIES",
     "DoubleBackwardError",
+    "ExpertsAdapterError",
+    "ExpertsImplementationError",
     "FusedSlice",
     "FusionError",
     "Graft",

@@ -1,8 +1,10 @@
-"""The :class:`Graft` bundle (patch mapping plus checkpoint conversions) and what grafts share.
+"""What the ready-made grafts share: parts per model type, class discovery, built-in conversions.
 
-A graft is built for a set of model types. For each, it finds the classes to replace by building
-the model on the ``meta`` device from :func:`modelgraft.testing.tiny_config` (no memory, no
-weights) and looking at its modules, so no family is hand-written; the result is cached.
+Each ready-made graft is a :class:`~modelgraft.Graft` built per model type (:meth:`Graft.of
+<modelgraft.graft.Graft.of>`): a :class:`_Part` says which classes it replaces there and which
+converters it adds. The classes are found by building the model on the ``meta`` device from its
+tiny config (no memory, no weights) and looking at its modules, so no family is hand-written; the
+result is cached.
 
 Example:
     >>> from modelgraft.grafts import fused_qkv
@@ -15,29 +17,27 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import re
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
 
-import torch
 from torch import nn
 
 from modelgraft import _compat
+from modelgraft._families import tiny_config
 from modelgraft._forksafe import ForkSafeLock
+from modelgraft.conversion import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
 from modelgraft.errors import GraftConflictError, UnsupportedFamilyError
+from modelgraft.graft import Graft, Piece
 
-if TYPE_CHECKING:
-    from modelgraft.conversion import WeightConverter
-
-__all__ = ["Graft", "GraftConflictError", "UnsupportedFamilyError", "build_grafted", "graft_built_model"]
+__all__ = ["Graft", "GraftConflictError", "UnsupportedFamilyError"]
 
 
 @dataclass(frozen=True)
 class _Part:
-    """What one graft contributes for one model type."""
+    """What one ready-made graft contributes for one model type (see :meth:`piece`)."""
 
     mapping: dict[str, type[nn.Module]]
     converters: tuple[Any, ...] = ()
@@ -48,140 +48,51 @@ class _Part:
     # which modelgraft resolves per sub-model, so the composite's own conversions stay untouched.
     sub_model_converters: tuple[tuple[str, Any], ...] = ()
 
+    def piece(self, model_type: str) -> Piece:
+        """This part as a :class:`~modelgraft.graft.Piece` of a graft for ``model_type``.
 
-@dataclass(frozen=True)
-class Graft:
-    """A ready-made graft: which classes to replace, and how checkpoints convert, per model type.
-
-    Use it globally (:meth:`register` / :meth:`unregister`) or for one block
-    (:meth:`applied`, or ``modelgraft.patched(graft.mapping, conversions=graft.conversions)``).
-    Grafts add up: ``fused_qkv() + linear_experts()`` replaces both and merges the conversions.
-
-    Attributes:
-        name: a short description, for reports and ``repr``.
-        model_types: the model types this graft was built for.
-    """
-
-    name: str
-    model_types: tuple[str, ...]
-    _parts: tuple[tuple[str, Callable[[], _Part]], ...] = field(repr=False)
-
-    @classmethod
-    def of(
-        cls,
-        name: str,
-        requested: tuple[str, ...],
-        default: tuple[str, ...],
-        part: Callable[[str], _Part],
-    ) -> Graft:
-        """Build a graft from a per-model-type ``part`` factory.
-
-        Model types the caller names are checked now (a clear error for one the graft cannot
-        handle); the default set is resolved on first use, so importing costs nothing.
+        A modelgraft conversion entry replaces transformers' built-in one, so each entry the part
+        touches keeps the built-in converters in front of its own (minus the expert merges when
+        asked). A part that only converts inside sub-models leaves the composite's entry alone.
         """
-        types = tuple(requested) or tuple(default)
-        graft = cls(name, types, tuple((t, functools.partial(part, t)) for t in types))
-        if requested:
-            graft._resolved  # noqa: B018
-        return graft
-
-    @functools.cached_property
-    def _resolved(self) -> dict[str, list[_Part]]:
-        resolved: dict[str, list[_Part]] = {}
-        for model_type, make in self._parts:
-            resolved.setdefault(model_type, []).append(make())
-        return resolved
-
-    @property
-    def mapping(self) -> dict[str, type[nn.Module]]:
-        """Exact original class name -> replacement class, for ``register_patch_mapping``."""
-        merged: dict[str, type[nn.Module]] = {}
-        for parts in self._resolved.values():
-            for part in parts:
-                for key, cls in part.mapping.items():
-                    if merged.get(key, cls) is not cls:
-                        raise GraftConflictError(
-                            f"`{key}` is replaced by both `{merged[key].__qualname__}` and `{cls.__qualname__}`; "
-                            "expected one replacement per class. Combine grafts that touch different classes."
-                        )
-                    merged[key] = cls
-        return merged
-
-    @property
-    def conversions(self) -> dict[str, list[WeightConverter]]:
-        """``model_type`` -> the whole conversion mapping to use for it (built-ins folded in)."""
-        out: dict[str, list[WeightConverter]] = {}
-        for model_type, parts in self._resolved.items():
-            drop = any(p.drop_expert_merges for p in parts)
-            converters = list(dict.fromkeys(c for p in parts for c in p.converters))  # a graft added twice
-            if converters or drop or not any(p.sub_model_converters for p in parts):
-                builtin = [c for c in _builtin_conversions(model_type) if not (drop and _merges_experts(c))]
-                out[model_type] = builtin + converters
-            for p in parts:
-                for sub_type, converter in p.sub_model_converters:
-                    if sub_type not in out:
-                        out[sub_type] = list(_builtin_conversions(sub_type))
-                    if converter not in out[sub_type]:
-                        out[sub_type].append(converter)
-        return out
-
-    def __add__(self, other: Graft) -> Graft:
-        if not isinstance(other, Graft):
-            return NotImplemented
-        types = self.model_types + tuple(t for t in other.model_types if t not in self.model_types)
-        combined = Graft(f"{self.name} + {other.name}", types, self._parts + other._parts)
-        combined.mapping  # noqa: B018  (fail now, not at load time, on conflicting replacements)
-        return combined
-
-    def register(self, overwrite: bool = False) -> None:
-        """Register the mapping and the conversions globally (all or nothing).
-
-        Args:
-            overwrite: replace patch keys and conversion entries already registered in modelgraft.
-                transformers' own conversions for these model types are always replaced (the
-                graft's conversions already contain what it still needs of them).
-
-        Raises:
-            PatchRegistrationError: a class is already patched and ``overwrite`` is false.
-            ConversionError: a model type already has a modelgraft conversion and ``overwrite``
-                is false.
-        """
-        from modelgraft import registry
-        from modelgraft.conversion.rules import validate_conversions
-
-        conversions = validate_conversions(self.conversions)
-        if not overwrite:
-            taken = [t for t in conversions if t in registry._global_entries(registry.CONVERSIONS)]
-            if taken:
-                raise self._taken(taken)
-        # One step: a load that starts meanwhile sees the whole graft or none of it.
-        registry.register(self.mapping, conversions, overwrite, lambda key, _old: self._taken([key]))
-
-    def _taken(self, model_types: list[str]) -> Exception:
-        from modelgraft.errors import ConversionError
-
-        return ConversionError(
-            f"Cannot register graft `{self.name}`: modelgraft already has conversions for "
-            f"{', '.join(f'`{t}`' for t in model_types)}. Unregister them or pass `overwrite=True`."
+        conversions: dict[str, tuple[Any, ...]] = {}
+        kept: list[str] = []
+        dropped: list[str] = []
+        if self.converters or self.drop_expert_merges or not self.sub_model_converters:
+            kept.append(model_type)
+            if self.converters:
+                conversions[model_type] = tuple(self.converters)
+            if self.drop_expert_merges:
+                dropped.append(model_type)
+        for sub_type, converter in self.sub_model_converters:
+            kept.append(sub_type)
+            conversions[sub_type] = (*conversions.get(sub_type, ()), converter)
+        # Built-ins are read when the conversions are, not when the classes are: a graft's
+        # mapping resolves even for a family whose built-in conversion cannot be carried over.
+        keeps = _OnUse(kept, _builtin_conversions)
+        drops = _OnUse(
+            dropped, lambda key: frozenset(c for c in _builtin_conversions(key) if _merges_experts(c))
         )
+        return Piece(self.mapping, conversions, keeps, drops)
 
-    def unregister(self) -> None:
-        """Remove what :meth:`register` added (the patch keys and the conversion entries), in one step."""
-        from modelgraft import registry
-        from modelgraft.conversion.rules import unknown_conversions
 
-        registry.unregister(list(self.mapping), list(self.conversions), unknown_conversions)
+class _OnUse(Mapping[str, Any]):
+    """A mapping with known keys whose values are computed (once) when first read."""
 
-    @contextlib.contextmanager
-    def applied(self, strict: bool = False) -> Iterator[Graft]:
-        """Apply the graft in this thread or task for the ``with`` block only.
+    def __init__(self, keys: list[str], compute: Callable[[str], Any]) -> None:
+        self._keys = tuple(dict.fromkeys(keys))
+        self._compute = compute
 
-        Same as ``modelgraft.patched(graft.mapping, conversions=graft.conversions, strict=strict)``.
-        """
-        import modelgraft
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._compute(key)  # both computations are cached per model type
 
-        with modelgraft.patched(self.mapping, conversions=self.conversions, strict=strict):
-            yield self
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 # --- discovery ------------------------------------------------------------------------------
@@ -192,8 +103,6 @@ _META_LOCK = ForkSafeLock()
 @functools.cache
 def meta_model(model_type: str) -> nn.Module:
     """The base model of ``model_type`` built on the meta device from its tiny config (cached)."""
-    from modelgraft.testing import tiny_config
-
     config = tiny_config(model_type)
     model_class = _compat.auto_model_class("base", config)
     if model_class is None:
@@ -255,7 +164,6 @@ def fused_linears_part(
     ``Concatenate(dim=0)`` converter from ``names`` to ``fused_name``. ``describe`` is
     ``(module kind, graft name, families known to work)`` for the error when nothing fits.
     """
-    from modelgraft.conversion import Concatenate, WeightConverter
     from modelgraft.grafts._fused import can_fuse_linears
 
     found = find_modules_by_sub_model(model_type, lambda module: can_fuse_linears(module, names))
@@ -295,9 +203,6 @@ def _builtin_conversions(model_type: str) -> tuple[Any, ...]:
     (Mixtral's ``block_sparse_moe`` -> ``mlp`` before ``experts.*.w1.weight``) is folded into that
     converter, and converters come before renamings so that each parameter is claimed once.
     """
-    from modelgraft import _compat
-    from modelgraft.conversion import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
-
     entries = _compat.builtin_checkpoint_conversions(model_type)
     renamings: list[tuple[list[str], list[str]]] = []
     converters: list[tuple[list[str], list[str], list[Any]]] = []
@@ -381,38 +286,3 @@ def builtin_expert_names(model_type: str) -> tuple[str, str, str] | None:
     if len(gate_up) != 2 or len(down) != 1:
         return None
     return gate_up[0], gate_up[1], down[0]
-
-
-# --- grafting modules that are already built (tests, benchmarks) -------------------------------
-
-
-def graft_built_model(graft: Graft, model: nn.Module) -> int:
-    """Replace, in place, every module of ``model`` that ``graft`` maps, keeping its weights.
-
-    Each replacement class knows how to take over a built original (``_from_original``).
-
-    Returns:
-        The number of modules replaced.
-    """
-    mapping = graft.mapping
-    replaced = 0
-    for path, module in list(model.named_modules()):
-        replacement = mapping.get(type(module).__name__)
-        if not path or replacement is None or isinstance(module, replacement):
-            continue
-        new = replacement._from_original(module)
-        if new is not module:
-            parent_path, _, name = path.rpartition(".")
-            setattr(model.get_submodule(parent_path), name, new)
-        replaced += 1
-    return replaced
-
-
-def build_grafted(
-    graft: Graft, model_class: type[nn.Module], config: Any, state_dict: dict[str, torch.Tensor]
-) -> nn.Module:
-    """Build ``model_class(config)``, load the original-layout ``state_dict``, then graft it."""
-    model = model_class(config)
-    model.load_state_dict(state_dict)
-    graft_built_model(graft, model)
-    return model

@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import threading
 from dataclasses import dataclass
 from typing import TypeGuard, cast
@@ -38,6 +39,7 @@ from torch.nn.modules import module as _torch_module
 
 from modelgraft._forksafe import ForkSafeLock
 from modelgraft.errors import FusionError
+from modelgraft.grafts import _peft
 from modelgraft.grafts._pickling import RECIPE_ATTR, GraftedClass
 from modelgraft.grafts._split_linear import split_linear
 
@@ -63,18 +65,29 @@ class _FusionGroup:
     every call, so a quantizer that swaps ``owner.qkv_proj`` for its own layer is picked up.
     """
 
-    def __init__(self, owner: nn.Module, fused_name: str, sizes: tuple[int, ...]) -> None:
+    def __init__(
+        self, owner: nn.Module, fused_name: str, sizes: tuple[int, ...], names: tuple[str, ...] = ()
+    ) -> None:
         self.owner = owner
         self.fused_name = fused_name
         self.sizes = sizes
+        self.names = names
         self._local = threading.local()
         self._traced: tuple[torch.Tensor, tuple[torch.Tensor, ...], set[int]] | None = None
 
     def __getstate__(self) -> dict[str, object]:
         # Cached activations are neither copyable nor worth copying; thread-locals not picklable.
-        return {"owner": self.owner, "fused_name": self.fused_name, "sizes": self.sizes, "_traced": None}
+        return {
+            "owner": self.owner,
+            "fused_name": self.fused_name,
+            "sizes": self.sizes,
+            "names": self.names,
+            "_parts": self.__dict__.get("_parts", {}),
+            "_traced": None,
+        }
 
     def __setstate__(self, state: dict[str, object]) -> None:
+        state.setdefault("names", ())  # pickled before the part names were kept
         self.__dict__.update(state)
         self._local = threading.local()
 
@@ -108,9 +121,33 @@ class _FusionGroup:
         return parts[index]
 
     def _compute(self, fused: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        self.check_parts()
         if _plain_linear(fused, x):
             return split_linear(x, fused.weight, fused.bias, self.sizes)
+        check_not_adapted(self.owner, self.fused_name, self.names)
         return tuple(fused(x).split(self.sizes, dim=-1))
+
+    def check_parts(self) -> None:
+        """Refuse a part that was replaced by a module that does not read the fused layer.
+
+        A stand-in may be wrapped (a PEFT LoRA layer whose base layer it is: its output still comes
+        from the fused weight), but a module put in its place, say a quantizer's linear layer,
+        would compute with weights of its own while ``qkv_proj`` keeps and saves the old ones.
+        """
+        modules = self.owner._modules
+        for index, name in enumerate(self.names):
+            found = modules.get(name)
+            if found is None or _unwrapped(found) is self.part_module(index):
+                continue
+            owner = type(self.owner).__name__
+            raise FusionError(
+                f"`{owner}.{name}` was replaced by `{type(found).__name__}`, which does not read the fused "
+                f"`{self.fused_name}`: its output would no longer be the one `{self.fused_name}` holds and "
+                f"saves. Replace or quantize `{self.fused_name}` itself, or load the model without the graft."
+            )
+
+    def part_module(self, index: int) -> nn.Module | None:
+        return self.__dict__.get("_parts", {}).get(index)
 
     def _traced_part(self, fused: nn.Module, x: torch.Tensor, index: int) -> torch.Tensor:
         # Under torch.compile the identity of ``x`` is known while tracing, but version counters
@@ -169,45 +206,179 @@ def _functorch_active() -> bool:
     return bool(active()) if active is not None else False
 
 
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The module under adapter wrappers (PEFT keeps the wrapped layer as ``base_layer``)."""
+    for _ in range(16):  # adapters nest (an adapter added on top of another), never this deep
+        inner = module._modules.get("base_layer")
+        if inner is None:
+            return module
+        module = inner
+    return module
+
+
+def _is_peft_module(module: nn.Module) -> bool:
+    # By module name: importing peft to test isinstance would import it for every user.
+    return any(cls.__module__.split(".")[0] == "peft" for cls in type(module).__mro__)
+
+
+def check_not_adapted(owner: nn.Module, fused_name: str, names: tuple[str, ...]) -> None:
+    """Refuse a PEFT adapter (LoRA, ``modules_to_save``, ...) on the fused layer itself.
+
+    Such an adapter has no counterpart in the plain model: it would save ``qkv_proj.lora_A``
+    keys that a plain model does not load. Adapters on the parts (``q_proj``, ...) are exact.
+    """
+    fused = owner._modules.get(fused_name)
+    if fused is None or not _is_peft_module(fused):
+        return
+    parts = ", ".join(f'"{n}"' for n in names)
+    raise FusionError(
+        f"`{type(owner).__name__}.{fused_name}` is wrapped by the PEFT module `{type(fused).__module__}.{type(fused).__qualname__}`: an "
+        f"adapter on the fused layer has no counterpart in the plain model (its adapter file would hold "
+        f"`{fused_name}` keys that a plain model drops). Target the plain layers instead: "
+        f"`target_modules=[{parts}, ...]` (with `target_modules='all-linear'`, modelgraft leaves "
+        f"`{fused_name}` out by itself)."
+    )
+
+
+class _PartWeight(torch.Tensor):
+    """Rows of a fused weight, as ``q_proj.weight`` returns them.
+
+    A view already shares the fused tensor's memory, so in-place updates through it
+    (``q_proj.weight.data += delta``, as PEFT's merge does) reach the fused layer. Assigning
+    ``.data`` would only rebind the view; here it writes into the rows instead, so PEFT's
+    ``safe_merge`` and DoRA's merges update the fused layer as they update a plain one.
+    """
+
+    # Results of operations on it are plain tensors: only this object writes through.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def data(self) -> torch.Tensor:  # type: ignore[override]
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        if not isinstance(value, torch.Tensor) or (value.shape, value.dtype, value.device) != (
+            self.shape,
+            self.dtype,
+            self.device,
+        ):
+            got = (
+                (tuple(value.shape), value.dtype, value.device)
+                if isinstance(value, torch.Tensor)
+                else type(value).__name__
+            )
+            raise FusionError(
+                "Cannot assign `.data` of a fused part: it is rows of the fused layer's weight and keeps "
+                f"their shape, dtype and device {(tuple(self.shape), self.dtype, self.device)}; received "
+                f"{got}."
+            )
+        with torch.no_grad():
+            torch.Tensor.copy_(self, value)
+
+
 def _part_view(tensor: torch.Tensor, span: slice) -> torch.Tensor:
     """Rows ``span`` of a fused tensor, carrying its "loaded" flag: a family's weight init that
     reaches a part through ``self.q_proj.weight`` (CLIP's does) must skip loaded weights, as it
     skips the fused tensor itself, instead of re-initialising them through the view."""
     part = tensor[span]
+    if type(tensor) in (torch.Tensor, nn.Parameter) and not torch.compiler.is_compiling():
+        part = part.as_subclass(_PartWeight)
     if getattr(tensor, "_is_hf_initialized", False):
         part._is_hf_initialized = True  # type: ignore[attr-defined]
     return part
 
 
-class FusedSlice(nn.Module):
+def _same_rows(value: object, current: torch.Tensor | None) -> bool:
+    # What PEFT's unload assigns back (`module.weight = wrapper.weight`) is this very view.
+    return (
+        isinstance(value, torch.Tensor)
+        and current is not None
+        and value.data_ptr() == current.data_ptr()
+        and value.shape == current.shape
+        and value.stride() == current.stride()
+        and value.dtype == current.dtype
+    )
+
+
+class FusedSlice(nn.Linear):
     """Stands in for one of the fused ``nn.Linear`` layers; returns its slice of the fused output.
 
-    It has no parameters of its own. ``weight`` and ``bias`` are read-only views into the fused
-    layer, for code that inspects them (``self.q_proj.weight.dtype``).
+    It has no parameters of its own. ``weight`` and ``bias`` are views into the fused layer, for
+    code that inspects them (``self.q_proj.weight.dtype``) and for adapters that update them in
+    place. It is an ``nn.Linear`` (of ``in_features`` to ``out_features``) so that tools which
+    wrap linear layers, PEFT's LoRA first, wrap it as they wrap the plain model's layer: the
+    wrapper calls it for the base output and adds its own, exactly as on the plain model.
     """
 
+    # transformers' weight init skips modules flagged as initialised: the fused layer is
+    # initialised (or loaded) itself, and drawing numbers again for its rows would change them.
+    _is_hf_initialized = True
+
     def __init__(self, group: _FusionGroup, index: int, in_features: int, out_features: int) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # nn.Linear's own __init__ would allocate a weight
         self._group = group
         self._index = index
         self.in_features = in_features
         self.out_features = out_features
+        group.__dict__.setdefault("_parts", {})[index] = self
 
     def _span(self) -> slice:
         start = sum(self._group.sizes[: self._index])
         return slice(start, start + self._group.sizes[self._index])
 
     @property
-    def weight(self) -> torch.Tensor:
+    def weight(self) -> torch.Tensor:  # type: ignore[override]
         return _part_view(cast(torch.Tensor, self._group.fused().weight), self._span())
 
+    @weight.setter
+    def weight(self, value: torch.Tensor) -> None:
+        self._refuse_assignment("weight", value, self.weight)
+
     @property
-    def bias(self) -> torch.Tensor | None:
+    def bias(self) -> torch.Tensor | None:  # type: ignore[override]
         bias = getattr(self._group.fused(), "bias", None)
         return None if bias is None else _part_view(bias, self._span())
 
+    @bias.setter
+    def bias(self, value: torch.Tensor | None) -> None:
+        self._refuse_assignment("bias", value, self.bias)
+
+    def _refuse_assignment(self, name: str, value: object, current: torch.Tensor | None) -> None:
+        if value is current or _same_rows(value, current) or (value is None and current is None):
+            return
+        raise FusionError(
+            f"Cannot assign `{name}` of the fused part `{self._part_name()}`: it is rows of `{self._group.fused_name}.{name}`. Update it in place "
+            f"(`part.{name}.data.copy_(...)`) or assign `{self._group.fused_name}.{name}`."
+        )
+
+    def _part_name(self) -> str:
+        names = self._group.names
+        return names[self._index] if names else str(self._index)
+
+    def reset_parameters(self) -> None:
+        """Nothing to reset: the rows belong to the fused layer, which initialises itself."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._group.part(x, self._index)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> FusedSlice:
+        # Copied together with its owner (deepcopy of the model or the attention) it stays a slice
+        # of the copied fused layer. Copied alone, as PEFT's `modules_to_save` copies a layer to
+        # train, the copy would compute from a fused layer that is no parameter of the model.
+        if id(self._group.owner) not in memo:
+            name = self._part_name()
+            raise FusionError(
+                f"`{type(self._group.owner).__name__}.{name}` is a slice of the fused "
+                f"`{self._group.fused_name}` and cannot be copied on its own (PEFT's `modules_to_save` "
+                f"copies the layers it trains): a copy would no longer read the model's "
+                f'`{self._group.fused_name}`. Train it with an adapter (`target_modules=["{name}"]`), '
+                "or load the model without the graft."
+            )
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
     def extra_repr(self) -> str:
         span = self._span()
@@ -282,7 +453,8 @@ def fuse_linears(module: nn.Module, names: tuple[str, ...], fused_name: str) -> 
     if all(with_bias):
         fused.bias = nn.Parameter(torch.cat([layer.bias.detach() for layer in layers]))
     fused.weight.requires_grad_(first.weight.requires_grad)
-    group = _FusionGroup(module, fused_name, sizes)
+    _peft.ensure_installed()  # PEFT's "all-linear" must pick the parts, not the fused layer too
+    group = _FusionGroup(module, fused_name, sizes, tuple(names))
     for index, (name, layer) in enumerate(zip(names, layers)):
         setattr(module, name, FusedSlice(group, index, layer.in_features, layer.out_features))
     setattr(module, fused_name, fused)
@@ -317,12 +489,6 @@ def fused_subclass(
             base.__init__(self, *args, **kwargs)
             fuse_linears(self, names, fused_name)
 
-        def _from_original(cls: type[nn.Module], module: nn.Module) -> nn.Module:
-            # Take over a built original in place: its weights move into the fused layer.
-            module.__class__ = cls
-            fuse_linears(module, names, fused_name)
-            return module
-
         name = f"{prefix}{base.__name__}"
         cls = cast(
             "type[nn.Module]",
@@ -333,7 +499,6 @@ def fused_subclass(
                     "__init__": __init__,
                     "__doc__": f"`{base.__name__}` with {', '.join(names)} fused into one `{fused_name}`.",
                     "__qualname__": name,
-                    "_from_original": classmethod(_from_original),
                     "_modelgraft_original": base,
                     "_modelgraft_fused": (names, fused_name),
                     RECIPE_ATTR: (fused_subclass, (base, names, fused_name, prefix)),

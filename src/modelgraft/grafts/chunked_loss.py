@@ -48,14 +48,18 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules import module as _torch_module
+from transformers import PreTrainedModel
 
 from modelgraft import _compat
+from modelgraft._families import CHUNKED_LM_LOSS, covered_by, tiny_config
 from modelgraft._forksafe import ForkSafeLock
 from modelgraft.errors import UnsupportedFamilyError
 from modelgraft.grafts._bundle import Graft, _Part, original_class
 from modelgraft.grafts._chunked_ce import DoubleBackwardError, LossInputError, linear_cross_entropy
 from modelgraft.grafts._lm_head_source import HeadSpec, read_head
 from modelgraft.grafts._pickling import RECIPE_ATTR, GraftedClass
+from modelgraft.hooks import unpatched
+from modelgraft.live import graft_model
 
 __all__ = [
     "CHUNKED_LM_LOSS_FAMILIES",
@@ -68,56 +72,7 @@ __all__ = [
 
 #: Model types :func:`chunked_lm_loss` covers by default, each tested against the plain model (loss
 #: and every parameter gradient) on transformers 5.x and 4.57.
-CHUNKED_LM_LOSS_FAMILIES: tuple[str, ...] = (
-    "llama",
-    "mistral",
-    "ministral",
-    "qwen2",
-    "qwen3",
-    "gemma",
-    "gemma2",
-    "gemma3_text",
-    "phi",
-    "phi3",
-    "olmo",
-    "olmo2",
-    "olmo3",
-    "granite",
-    "cohere",
-    "cohere2",
-    "starcoder2",
-    "stablelm",
-    "persimmon",
-    "helium",
-    "smollm3",
-    "glm",
-    "glm4",
-    "nemotron",
-    "exaone4",
-    "apertus",
-    "arcee",
-    "seed_oss",
-    "ernie4_5",
-    "hunyuan_v1_dense",
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "olmoe",
-    "flex_olmo",
-    "deepseek_v2",
-    "deepseek_v3",
-    "phimoe",
-    "granitemoe",
-    "granitemoeshared",
-    "minimax",
-    "glm4_moe",
-    "ernie4_5_moe",
-    "hunyuan_v1_moe",
-    "dots1",
-    "gpt_oss",
-    "jamba",
-    "qwen3_next",
-)
+CHUNKED_LM_LOSS_FAMILIES: tuple[str, ...] = covered_by(CHUNKED_LM_LOSS)
 
 _PREFIX = "ChunkedLoss"
 
@@ -377,7 +332,6 @@ def chunked_lm_loss_class(causal_lm_class: type, chunk_size: int | None = None) 
                 "__doc__": f"`{causal_lm_class.__name__}` whose training loss is computed in chunks of tokens.",
                 "forward": _make_forward(causal_lm_class),
                 "save_pretrained": _save_pretrained,
-                "_from_original": classmethod(_from_original),
                 "_modelgraft_original": causal_lm_class,
                 "_modelgraft_chunk_size": chunk_size,
                 RECIPE_ATTR: (chunked_lm_loss_class, (causal_lm_class, chunk_size)),
@@ -387,17 +341,6 @@ def chunked_lm_loss_class(causal_lm_class: type, chunk_size: int | None = None) 
         return found
 
 
-def _from_original(cls: type, model: nn.Module) -> nn.Module:
-    """Make a built plain model an instance of ``cls`` in place (its parameters are untouched)."""
-    original = _grafted_original(cls)
-    if type(model) is not original and _grafted_original_or_none(type(model)) is not original:
-        raise UnsupportedFamilyError(
-            f"`{cls.__name__}` stands in for `{original.__name__}`; received a `{type(model).__name__}`."
-        )
-    model.__class__ = cls
-    return model
-
-
 def _grafted_original_or_none(cls: type) -> type | None:
     return cls.__dict__.get("_modelgraft_original") if cls.__name__.startswith(_PREFIX) else None
 
@@ -405,9 +348,11 @@ def _grafted_original_or_none(cls: type) -> type | None:
 def graft_chunked_lm_loss(model: nn.Module, chunk_size: int | None = None) -> nn.Module:
     """Switch a built causal LM to the chunked loss, in place, and return it.
 
-    The model's class becomes :func:`chunked_lm_loss_class` of its class; parameters, buffers,
-    hooks and device placement are untouched, so this is free and exact. ``report(model)`` lists it.
-    Calling it again (with another ``chunk_size``) switches to that class.
+    The same as ``graft_model(model, graft)`` with a graft that replaces only the model's own class
+    by :func:`chunked_lm_loss_class` of it (whatever else is registered): the class of the model
+    object changes; parameters, buffers, hooks and device placement are untouched, so this is free
+    and exact. ``report(model)`` lists it. Calling it again (with another ``chunk_size``) switches
+    to that class.
 
     Raises:
         UnsupportedFamilyError: the model is not a transformers ``*ForCausalLM`` whose head the chunked
@@ -421,10 +366,6 @@ def graft_chunked_lm_loss(model: nn.Module, chunk_size: int | None = None) -> nn
         >>> [(r.path, r.replacement.rsplit(".", 1)[-1]) for r in report(model).replaced]
         [('', 'ChunkedLossQwen3ForCausalLM')]
     """
-    from transformers import PreTrainedModel
-
-    from modelgraft.report import ReplacedModule, _report_for
-
     current = type(model)
     original = _grafted_original_or_none(current) or current
     if not isinstance(model, PreTrainedModel) or "lm_head" not in dict(model.named_children()):
@@ -432,26 +373,15 @@ def graft_chunked_lm_loss(model: nn.Module, chunk_size: int | None = None) -> nn
             f"`{current.__name__}` is not a transformers causal LM with an `lm_head`; the chunked loss grafts "
             "`*ForCausalLM` models (for a PEFT model, pass `model.get_base_model()`)."
         )
-    cls = chunked_lm_loss_class(original, chunk_size)
-    if current is cls:
-        return model
-    cls._from_original(model)
-    replaced = _report_for(model).replaced
-    replaced[:] = [r for r in replaced if r.path != ""]
-    replaced.append(ReplacedModule("", _qualname(original), _qualname(cls), original.__name__))
-    return model
-
-
-def _qualname(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
+    graft = Graft({original.__name__: chunked_lm_loss_class(original, chunk_size)}, name="chunked LM loss")
+    with unpatched():  # this graft alone, as documented
+        return graft_model(model, graft)
 
 
 # --- the graft -------------------------------------------------------------------------------------
 
 
 def _part(model_type: str, chunk_size: int | None = None) -> _Part:
-    from modelgraft.testing import tiny_config
-
     config = tiny_config(model_type)
     causal_lm = _compat.auto_model_class("causal_lm", config)
     if causal_lm is None:
@@ -466,9 +396,8 @@ def chunked_lm_loss(*model_types: str, chunk_size: int | None = None) -> Graft:
     """The chunked-loss graft for ``model_types`` (default: :data:`CHUNKED_LM_LOSS_FAMILIES`).
 
     Its mapping replaces each family's ``*ForCausalLM`` class; it has no conversions of its own.
-    modelgraft's load hooks build the class they are called on, and ``AutoModelForCausalLM`` calls
-    them on transformers' class, so a model loaded through ``AutoModelForCausalLM`` is switched with
-    :func:`graft_chunked_lm_loss` (or loaded with ``graft.mapping[name].from_pretrained``).
+    A load under it (``AutoModelForCausalLM.from_pretrained`` included) builds the grafted class;
+    ``modelgraft.graft_model(model, graft)`` switches a model that is already built.
 
     Example:
         >>> graft = chunked_lm_loss("gemma2", "mixtral")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from modelgraft._families import FUSED_GATE_UP, covered_by
 from modelgraft.grafts._bundle import Graft, _Part, fused_linears_part
 from modelgraft.grafts._fused import fused_subclass
 
@@ -27,35 +28,7 @@ GATE_UP_NAMES = ("gate_proj", "up_proj")
 FUSED_NAME = "gate_up_proj"
 
 #: Model types :func:`fused_gate_up` covers by default (each one tested).
-FUSED_GATE_UP_FAMILIES: tuple[str, ...] = (
-    "llama",
-    "mistral",
-    "ministral",
-    "qwen2",
-    "qwen3",
-    "gemma",
-    "gemma2",
-    "gemma3_text",
-    "olmo",
-    "olmo2",
-    "olmo3",
-    "granite",
-    "helium",
-    "smollm3",
-    "seed_oss",
-    "ernie4_5",
-    "hunyuan_v1_dense",
-    "cohere",
-    "cohere2",
-    "exaone4",
-    "qwen2_moe",
-    "deepseek_v2",
-    "deepseek_v3",
-    "glm4_moe",
-    "dots1",
-    "ernie4_5_moe",
-    "hunyuan_v1_moe",
-)
+FUSED_GATE_UP_FAMILIES: tuple[str, ...] = covered_by(FUSED_GATE_UP)
 
 
 def fused_gate_up_class(mlp_class: type[nn.Module]) -> type[nn.Module]:

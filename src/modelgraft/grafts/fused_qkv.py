@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from modelgraft._families import FUSED_QKV, covered_by
 from modelgraft.grafts._bundle import Graft, _Part, fused_linears_part
 from modelgraft.grafts._fused import fused_subclass
 
@@ -32,45 +33,7 @@ FUSED_NAME = "qkv_proj"
 
 #: Model types :func:`fused_qkv` covers by default (each one tested for equal logits and an exact
 #: save round trip).
-FUSED_QKV_FAMILIES: tuple[str, ...] = (
-    "llama",
-    "mistral",
-    "ministral",
-    "qwen2",
-    "qwen3",
-    "gemma",
-    "gemma2",
-    "gemma3_text",
-    "olmo",
-    "olmo2",
-    "olmo3",
-    "granite",
-    "helium",
-    "smollm3",
-    "seed_oss",
-    "ernie4_5",
-    "hunyuan_v1_dense",
-    "cohere",
-    "cohere2",
-    "exaone4",
-    "starcoder2",
-    "apertus",
-    "arcee",
-    "glm",
-    "glm4",
-    "nemotron",
-    "qwen2_moe",
-    "qwen3_moe",
-    "mixtral",
-    "olmoe",
-    "flex_olmo",
-    "phimoe",
-    "minimax",
-    "glm4_moe",
-    "dots1",
-    "ernie4_5_moe",
-    "hunyuan_v1_moe",
-)
+FUSED_QKV_FAMILIES: tuple[str, ...] = covered_by(FUSED_QKV)
 
 
 def fused_qkv_class(attention_class: type[nn.Module]) -> type[nn.Module]:

@@ -28,9 +28,13 @@ from typing import cast
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from modelgraft import _compat
+from modelgraft._families import LINEAR_EXPERTS, covered_by
 from modelgraft._forksafe import ForkSafeLock
+from modelgraft.grafts import _grouped_experts as _grouped
+from modelgraft.grafts import _peft
 from modelgraft.grafts._bundle import (
     Graft,
     UnsupportedFamilyError,
@@ -39,30 +43,23 @@ from modelgraft.grafts._bundle import (
     find_modules,
     original_class,
 )
+from modelgraft.grafts._grouped_experts import ExpertsImplementationError
+from modelgraft.grafts._peft import ExpertsAdapterError
 from modelgraft.grafts._pickling import RECIPE_ATTR, GraftedClass
 
-__all__ = ["LINEAR_EXPERTS_FAMILIES", "LinearExpert", "linear_experts", "linear_experts_class"]
+__all__ = [
+    "LINEAR_EXPERTS_FAMILIES",
+    "ExpertsAdapterError",
+    "ExpertsImplementationError",
+    "LinearExpert",
+    "linear_experts",
+    "linear_experts_class",
+]
 
 DEFAULT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 #: Model types :func:`linear_experts` covers by default (each one tested).
-LINEAR_EXPERTS_FAMILIES: tuple[str, ...] = (
-    "qwen2_moe",
-    "qwen3_moe",
-    "mixtral",
-    "olmoe",
-    "flex_olmo",
-    "phimoe",
-    "minimax",
-    "deepseek_v2",
-    "deepseek_v3",
-    "glm4_moe",
-    "dots1",
-    "ernie4_5_moe",
-    "hunyuan_v1_moe",
-    "jamba",
-    "qwen3_next",
-)
+LINEAR_EXPERTS_FAMILIES: tuple[str, ...] = covered_by(LINEAR_EXPERTS)
 
 
 class LinearExpert(nn.Module):
@@ -150,36 +147,21 @@ class _LinearExpertsBase(nn.ModuleList):
         self._setup(probe)
 
     def _setup(self, probe: nn.Module) -> None:
+        _peft.ensure_installed()  # PEFT must keep the expert names as module targets here
         gate_up = probe.gate_up_proj
         assert isinstance(gate_up, torch.Tensor)  # _layout_problem checked it before
         num, two_inter, hidden = gate_up.shape
         self.num_experts = num
         self.hidden_dim = hidden
         self.intermediate_dim = two_inter // 2
+        # transformers' kernel choice lives on the config (`experts_implementation=`), as for the
+        # fused experts: it is honoured or refused here, and again at every forward.
+        self.config = getattr(probe, "config", None)
+        _grouped.check_implementation(self)
         act_fn = probe.act_fn
         assert isinstance(act_fn, nn.Module)  # _layout_problem checked it before
         for _ in range(num):
             self.append(LinearExpert(hidden, two_inter // 2, act_fn, self._expert_names))
-
-    @classmethod
-    def _from_original(cls, module: nn.Module) -> nn.Module:
-        """Build per-expert layers from a built original, copying its weights."""
-        problem = _layout_problem(module)
-        if problem is not None:
-            raise UnsupportedFamilyError(f"`{type(module).__name__}` cannot be converted: {problem}.")
-        new = cls.__new__(cls)
-        nn.ModuleList.__init__(new)
-        device, dtype = module.gate_up_proj.device, module.gate_up_proj.dtype
-        new._setup(module)
-        new.to(device=device, dtype=dtype)
-        gate, up, down = cls._expert_names
-        inter = new.intermediate_dim
-        with torch.no_grad():
-            for index, expert in enumerate(new):
-                getattr(expert, gate).weight.copy_(module.gate_up_proj[index, :inter])
-                getattr(expert, up).weight.copy_(module.gate_up_proj[index, inter:])
-                getattr(expert, down).weight.copy_(module.down_proj[index])
-        return new
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -192,17 +174,47 @@ class _LinearExpertsBase(nn.ModuleList):
                 (the expert-parallel sentinel) are skipped, as in transformers.
             top_k_weights: ``(num_tokens, top_k)`` routing weights.
         """
-        out = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            hit = torch.unique(top_k_index).tolist()
-        for expert_id in hit:
-            if not 0 <= expert_id < self.num_experts:
-                continue
-            # Same visiting order as transformers (by top-k slot, then token) so sums match.
-            k_pos, token_idx = torch.where((top_k_index == expert_id).T)
-            current = self[expert_id](hidden_states[token_idx]) * top_k_weights[token_idx, k_pos, None]
-            out.index_add_(0, token_idx, current.to(out.dtype))
-        return out
+        implementation = _grouped.check_implementation(self)
+        if implementation == "eager":
+            return _grouped.eager_forward(
+                self._run, self.num_experts, hidden_states, top_k_index, top_k_weights
+            )
+        layers = self._plain_layers()
+        if layers is not None:
+            out = _grouped.grouped_linear_forward(
+                layers, self[0].act_fn, hidden_states, top_k_index, top_k_weights
+            )
+            if out is not None:
+                return out
+        return _grouped.sorted_forward(self._run, self.num_experts, hidden_states, top_k_index, top_k_weights)
+
+    def _run(self, expert_id: int, tokens: torch.Tensor) -> torch.Tensor:
+        return self[expert_id](tokens)
+
+    def _plain_layers(self) -> list[tuple[nn.Linear, nn.Linear, nn.Linear]] | None:
+        """Each expert's (gate, up, down) when all are untouched ``nn.Linear`` layers, else ``None``.
+
+        Only then may their weights be stacked for a grouped matmul: a wrapped (LoRA), quantized
+        or hooked layer must be called as a module, so that its own computation runs.
+        """
+        if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
+            return None
+        act_fn = self[0].act_fn if len(self) else None
+        layers = []
+        for expert in self:
+            if type(expert) is not LinearExpert or expert.act_fn is not act_fn or _hooked(expert):
+                return None
+            found = tuple(expert._modules.get(name) for name in self._expert_names)
+            if any(
+                type(layer) is not nn.Linear or layer.bias is not None or _hooked(layer) for layer in found
+            ):
+                return None
+            layers.append(found)
+        return layers  # type: ignore[return-value]
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
 _CLASSES: dict[tuple[type, tuple[str, ...]], type[nn.Module]] = {}

@@ -51,10 +51,13 @@ class _Site:
 
     def __init__(self, layer: MoELayer) -> None:
         self.layer = layer
-        self.forced: torch.Tensor | None = None  # replay: (num_tokens, top_k) long
+        self.forced: torch.Tensor | None = None  # replay: (num_tokens, top_k) integer ids
+        self.live: torch.Tensor | None = None  # replay: (num_tokens,) bool, rows the router chooses
         self.batch_size: int | None = None  # replay: sequences in the trace, when its layout is known
+        self.guard: Any = None  # replay: called before each forward call (a session's checks)
         self.recorded: list[torch.Tensor] | None = None  # record: one tensor per forward call
         self.consumed = False
+        self.consumed_in_block = False  # replay: consumed inside the current micro-batch block
         self.candidates = 0  # per forward call: top-k calls shaped like the selection
         self.pending: torch.Tensor | None = None  # per forward call (record): the last candidate's indices
         self.groups: tuple[int, int, torch.Tensor] | None = None  # per call (replay): kept, groups, spread
@@ -93,22 +96,31 @@ class _SelectionMode(TorchFunctionMode):
                 return out
             if forced.shape[0] != rows:
                 raise RoutingError(_rows_message(site, rows))
-            site.consumed = True
-            index = forced.to(inp.device).reshape(*inp.shape[:-1], k)
+            site.consumed = site.consumed_in_block = True
+            index = forced.to(inp.device, torch.long).reshape(*inp.shape[:-1], k)
+            if site.live is not None:  # rows without a route: the router's own choice
+                native = func(*args, **kwargs).indices
+                index = torch.where(site.live.to(inp.device).reshape(*inp.shape[:-1], 1), native, index)
             values = inp.gather(-1, index)
             if site.groups is not None:  # only a steered group pick can mask a forced expert
-                _refuse_masked(layer, forced, site.groups, values.detach().reshape(-1, k))
+                _refuse_masked(layer, forced, site.groups, values.detach().reshape(-1, k), site.live)
             return torch.return_types.topk((values, index))
         if forced is not None and _is_group_pick(layer, size, k, rows, forced):
-            return _steer_groups(inp, k, forced, site)
+            return _steer_groups(inp, k, forced, site, lambda: func(*args, **kwargs).indices)
         return func(*args, **kwargs)
 
 
 def _refuse_masked(
-    layer: MoELayer, forced: torch.Tensor, groups: tuple[int, int, torch.Tensor], values: torch.Tensor
+    layer: MoELayer,
+    forced: torch.Tensor,
+    groups: tuple[int, int, torch.Tensor],
+    values: torch.Tensor,
+    live: torch.Tensor | None,
 ) -> None:
     """A forced expert whose selection score is -inf/NaN: masked out of the kept groups."""
     bad = ~torch.isfinite(values)
+    if live is not None:  # the router chose those rows itself
+        bad &= ~live.to(bad.device).unsqueeze(1)
     if not bool(bad.any()):
         return
     token, slot = (int(i) for i in bad.nonzero()[0])
@@ -173,28 +185,32 @@ def _topk_args(args: tuple[Any, ...], kwargs: dict[Any, Any]) -> tuple[torch.Ten
     return bound["input"], int(bound["k"]), int(bound.get("dim", -1)), bool(bound.get("largest", True))
 
 
-def _steer_groups(scores: torch.Tensor, k: int, forced: torch.Tensor, site: _Site) -> Any:
+def _steer_groups(scores: torch.Tensor, k: int, forced: torch.Tensor, site: _Site, native: Any) -> Any:
     """Top-``k`` groups where groups holding a forced expert rank first, then by live score.
 
     When a token's forced experts lie in more than ``k`` groups, the best ``k`` of those groups by
     live score are kept; the spread is kept on ``site`` so that the selection can refuse a forced
-    expert the family then masks with a non-finite score.
+    expert the family then masks with a non-finite score. Rows the router chooses itself (``live``)
+    get the family's own group pick (``native()``).
     """
     flat = scores.reshape(-1, scores.shape[-1])
     num_groups = flat.shape[-1]
-    groups = forced.to(scores.device) // (site.layer.num_experts // num_groups)
+    groups = forced.to(scores.device, torch.long).clamp(min=0) // (site.layer.num_experts // num_groups)
     wanted = torch.zeros_like(flat, dtype=torch.bool).scatter_(1, groups, True)
     site.groups = (k, num_groups, wanted.sum(-1))
     # Rank by live score, then lift the wanted groups above every other group.
     rank = flat.detach().argsort(dim=-1).argsort(dim=-1)
     key = rank + wanted.to(rank.dtype) * num_groups
     index = key.topk(k, dim=-1).indices
+    if site.live is not None:
+        live = site.live.to(scores.device).unsqueeze(1)
+        index = torch.where(live, native().reshape(-1, k), index)
     values = flat.gather(-1, index)
     shape = (*scores.shape[:-1], k)
     return torch.return_types.topk((values.reshape(shape), index.reshape(shape)))
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """True while autograd recomputes a checkpointed forward (do not record twice)."""
     return torch._C._current_graph_task_id() != -1
 
@@ -216,6 +232,8 @@ def hook_scope(site: _Site) -> None:
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]  # untyped in torch
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if site.guard is not None:
+            site.guard(site)
         site.candidates, site.pending, site.groups = 0, None, None
         with _SelectionMode(site):
             out = original(*args, **kwargs)
@@ -232,7 +250,7 @@ def hook_scope(site: _Site) -> None:
                 f"over its {layer.num_experts} experts with k={layer.top_k}; modelgraft cannot tell which one "
                 "selects the experts, so it cannot record or replay this layer exactly."
             )
-        if site.recorded is not None and site.pending is not None and not _in_backward():
+        if site.recorded is not None and site.pending is not None and not in_backward():
             site.recorded.append(site.pending.detach().reshape(-1, layer.top_k).clone())
         return out
 

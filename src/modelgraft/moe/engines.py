@@ -1,13 +1,16 @@
-"""Turn inference-engine routing output into a :class:`RoutingTrace` for the trainer's padded batch.
+"""Turn inference-engine routing output into a :class:`RoutingTrace` for the trainer's batch.
 
-Engine conventions (see ``docs/moe.md``):
+Engine conventions (see ``docs/moe.md``; the payload formats are decoded in ``_payloads.py``):
 
-* vLLM (``enable_return_routed_experts=True``): ``CompletionOutput.routed_experts`` is an array of
-  shape ``(num_tokens - 1, num_hidden_layers, top_k)``, ``int32`` (``uint8``/``int16`` downstream).
-  The last sampled token never went through the model, so its row is missing. The layer axis counts
-  *every* decoder layer; dense layers hold rows of zeros and are dropped here.
-* SGLang (``return_routed_experts``): the same array, sent as base64 of little-endian ``int32``
-  in ``meta_info["routed_experts"]``.
+* vLLM (``enable_return_routed_experts=True``): per request ``(num_tokens - 1, num_hidden_layers,
+  top_k)`` ids: the last sampled token never went through the model, so its row is missing. The
+  layer axis counts *every* decoder layer; dense layers hold rows of zeros and are dropped here.
+  Current releases split the rows into ``RequestOutput.prompt_routed_experts`` and the completion's
+  own ``CompletionOutput.routed_experts``; :func:`from_vllm` takes the request outputs (or the
+  server's JSON) and joins them. Rows vLLM did not compute (prefix-cache hits) are ``-1``.
+* SGLang (``return_routed_experts``): the same rows, base64 of a flat buffer in
+  ``meta_info["routed_experts"]`` (``int32``, or ``meta_info["routed_experts_dtype"]``), from
+  ``meta_info["routed_experts_start_len"]`` on.
 * Engines that report MoE layers only (TensorRT-LLM) are accepted too: a layer axis equal to the
   number of MoE layers is taken as is.
 
@@ -26,33 +29,26 @@ Example:
 
 from __future__ import annotations
 
-import base64
-import binascii
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 
 from modelgraft.errors import RoutingError
-from modelgraft.moe.routing import moe_layers
-from modelgraft.moe.trace import RoutingTrace, spread_fill
+from modelgraft.moe._ids import MISSING_POLICIES, compact_dtype, spread_fill
+from modelgraft.moe._layers import moe_layers
+from modelgraft.moe._payloads import Request, as_ids, sglang_requests, vllm_requests
+from modelgraft.moe.trace import RoutingTrace
 
 __all__ = ["from_sglang", "from_vllm", "join_routes", "layout_requests"]
-
-_INT_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32}
-
 
 _fill = spread_fill
 
 
-def _as_long(array: Any, where: str) -> torch.Tensor:
-    tensor = torch.as_tensor(array)
-    if tensor.dtype not in _INT_DTYPES:
-        raise RoutingError(
-            f"Routed experts of {where} must be an integer array (int32, int16, uint8, ...); got `{tensor.dtype}`."
-        )
-    return tensor.long()
+def _check_policy(missing: str) -> None:
+    if missing not in MISSING_POLICIES:
+        raise RoutingError(f"`missing` must be 'refuse' or 'live'; got `{missing!r}`.")
 
 
 def layout_requests(
@@ -62,6 +58,7 @@ def layout_requests(
     *,
     layer_ids: Sequence[int] | None = None,
     model_type: str | None = None,
+    missing: str = "refuse",
 ) -> RoutingTrace:
     """Lay per-request routes ``(num_real_tokens, num_moe_layers, top_k)`` out as a padded batch.
 
@@ -71,9 +68,12 @@ def layout_requests(
         num_experts: experts per layer, for the padding filler.
         layer_ids: decoder-layer index of each MoE layer (kept in the trace).
         model_type: kept in the trace.
+        missing: ``"live"`` keeps rows of ``-1`` (routed live by ``replay_routing``); ``"refuse"``
+            treats them as out-of-range ids.
 
     Returns:
-        A trace with ``batch * seq`` rows per layer, row-major over the batch.
+        A trace with ``batch * seq`` rows per layer, row-major over the batch, ``batch_size`` set
+        and ids in :func:`~modelgraft.moe.compact_dtype`.
 
     Example:
         >>> import torch
@@ -81,20 +81,26 @@ def layout_requests(
         >>> layout_requests([req], torch.tensor([[0, 1, 1]]), num_experts=4)[0].tolist()
         [[0, 1], [2, 3], [1, 0]]
     """
+    _check_policy(missing)
     mask = torch.as_tensor(attention_mask).bool()
     if mask.dim() != 2 or mask.shape[0] != len(requests):
         raise RoutingError(
             f"`attention_mask` must be (batch, seq) with one row per request; got shape {tuple(mask.shape)} "
             f"for {len(requests)} requests."
         )
-    tensors = [_as_long(req, f"request {i}") for i, req in enumerate(requests)]
+    tensors = [as_ids(req, f"request {i}") for i, req in enumerate(requests)]
     if not tensors:
         raise RoutingError("No requests given; pass one routed-experts array per batch row.")
+    if tensors[0].dim() != 3:
+        raise RoutingError(
+            f"Request 0 has routes of shape {tuple(tensors[0].shape)}; expected (tokens, layers, top_k)."
+        )
     num_layers, top_k = tensors[0].shape[1], tensors[0].shape[2]
     batch, seq = mask.shape
-    out = torch.empty(batch * seq, num_layers, top_k, dtype=torch.long)
+    live = missing == "live"
+    out = torch.empty(batch * seq, num_layers, top_k, dtype=compact_dtype(num_experts, signed=live))
     pad_rows = (~mask).reshape(-1).nonzero().squeeze(1)
-    out[pad_rows] = _fill(0, len(pad_rows), top_k, num_experts).unsqueeze(1)
+    out[pad_rows] = _fill(0, len(pad_rows), top_k, num_experts).unsqueeze(1).to(out.dtype)
     for i, req in enumerate(tensors):
         real = mask[i].nonzero().squeeze(1)
         if req.dim() != 3 or req.shape[1:] != (num_layers, top_k):
@@ -107,19 +113,45 @@ def layout_requests(
                 f"Request {i} has {req.shape[0]} routed tokens but its attention_mask row has {len(real)} "
                 "real tokens; pass the mask of the batch the trainer will run."
             )
-        out[i * seq + real] = req
-    if out.numel() and (int(out.min()) < 0 or int(out.max()) >= num_experts):
-        raise RoutingError(
-            f"Routed expert ids must lie in 0..{num_experts - 1}; found {int(out.min())}..{int(out.max())}. "
-            "Replace missing-route sentinels (-1) before laying out."
-        )
+        _check_range(req, num_experts, live, f"request {i}", layer_ids)
+        out[i * seq + real] = req.to(out.dtype)
     ids = list(layer_ids) if layer_ids is not None else list(range(num_layers))
-    return RoutingTrace([out[:, j].clone() for j in range(num_layers)], ids, top_k, num_experts, model_type)
+    return RoutingTrace(
+        [out[:, j].clone() for j in range(num_layers)],
+        ids,
+        top_k,
+        num_experts,
+        model_type,
+        batch_size=batch,
+        missing=missing,
+    )
 
 
-def _model_info(model: nn.Module | None) -> tuple[list[int] | None, int | None, int | None, str | None]:
+def _check_range(
+    rows: torch.Tensor, num_experts: int, live: bool, where: str, layer_ids: Sequence[int] | None
+) -> None:
+    """Ids within ``0 .. num_experts - 1`` (whole ``-1`` rows allowed when ``live``); names the place."""
+    if not rows.numel():
+        return
+    bad = (rows < 0) | (rows >= num_experts)
+    if live:
+        bad &= ~(rows < 0).all(-1, keepdim=True)
+    if bool(bad.any()):
+        token, layer, slot = (int(i) for i in bad.nonzero()[0])
+        lid = layer_ids[layer] if layer_ids is not None else layer
+        low, high = int(rows.min()), int(rows.max())
+        hint = " Rows of -1 mark tokens without a route: choose the `missing` policy." if low == -1 else ""
+        raise RoutingError(
+            f"Routed expert ids must lie in 0..{num_experts - 1}; found {low if low < 0 else high} "
+            f"({where}, token {token}, decoder layer `{lid}`: {int(rows[token, layer, slot])}).{hint}"
+        )
+
+
+def _model_info(
+    model: nn.Module | None,
+) -> tuple[list[int] | None, int | None, int | None, str | None, int | None]:
     if model is None:
-        return None, None, None, None
+        return None, None, None, None, None
     layers = moe_layers(model)
     config: Any = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -128,6 +160,7 @@ def _model_info(model: nn.Module | None) -> tuple[list[int] | None, int | None, 
         layers[0].num_experts,
         getattr(text, "num_hidden_layers", None),
         getattr(config, "model_type", None),
+        layers[0].top_k,
     )
 
 
@@ -142,31 +175,119 @@ def from_vllm(
     num_experts: int | None = None,
     num_hidden_layers: int | None = None,
     allow_all_zero: bool = False,
+    missing: str = "refuse",
+    expert_map: Any = None,
 ) -> RoutingTrace:
-    """Build the trace for the trainer's padded batch from vLLM's per-request ``routed_experts``.
+    """Build the trace for the trainer's padded batch from vLLM's routed experts.
 
     Args:
-        routed_experts: per request an array ``(num_tokens - 1, num_hidden_layers, top_k)`` (or with
-            ``num_tokens`` rows) of int32/int16/uint8 expert ids, ``num_tokens`` = prompt + completion.
+        routed_experts: one item per request, any of:
+
+            * a ``RequestOutput`` (``LLM.generate``): its ``prompt_routed_experts`` and each
+              completion's ``routed_experts`` are joined; each completion is one batch row, in order;
+            * a server response dict (``/v1/completions``, ``/v1/chat/completions`` with
+              ``return_token_ids``): base64 ``.npy`` strings in ``prompt_routed_experts`` and
+              ``choices[i].routed_experts``; each choice is one batch row;
+            * an array ``(rows, num_hidden_layers, top_k)`` covering the tokens from 0 (older vLLM:
+              ``num_tokens - 1`` rows, or ``num_tokens``), or a base64 ``.npy`` string of one;
+            * ``(prompt_rows, completion_rows)``: the two arrays, joined;
+            * ``(start, rows)``: rows from token ``start`` on.
+
         model: the trainer's model; gives the MoE layer ids, ``num_experts`` and ``num_hidden_layers``
             from its actual modules. Without it pass ``moe_layer_ids``, ``num_experts`` and
             ``num_hidden_layers``.
-        attention_mask: ``(batch, seq)`` mask of the training batch. Either this or ``input_lengths``.
+        attention_mask: ``(batch, seq)`` mask of the training batch. Or ``input_lengths``; or neither
+            when every item says its token counts (request outputs, server dicts).
         input_lengths: tokens per request (prompt + completion); the batch is padded on ``padding_side``.
-        padding_side: ``"right"`` or ``"left"``, used with ``input_lengths``.
+        padding_side: ``"right"`` or ``"left"``, used without ``attention_mask``.
         moe_layer_ids, num_experts, num_hidden_layers: override what ``model`` says.
         allow_all_zero: accept an MoE layer whose every routed id is 0 in every request (an engine
             reports that for a layer it did not capture, e.g. another pipeline stage's); refused by default.
+        missing: rows of ``-1`` (tokens vLLM did not compute: prefix-cache hits; rows before
+            ``routed_experts_prompt_start``) are refused (``"refuse"``, the default, naming the
+            request, tokens and layer), or kept for the trainer's router to choose (``"live"``:
+            ``replay_routing`` forces every other row).
+        expert_map: physical-to-logical expert ids for engines that report physical ids
+            (expert-parallel load balancing): ``(num_physical,)`` for every layer, or
+            ``(layers, num_physical)`` with one row per decoder layer or per MoE layer.
 
     Returns:
-        A :class:`RoutingTrace` with ``batch * seq`` rows per MoE layer, ready for ``replay_routing``.
+        A :class:`RoutingTrace` with ``batch * seq`` rows per MoE layer, ``batch_size`` set and ids
+        in :func:`~modelgraft.moe.compact_dtype`, ready for ``replay_routing``.
 
     Raises:
-        RoutingError: a row count that is neither ``num_tokens`` nor ``num_tokens - 1``, a layer axis
-            that fits neither all layers nor MoE layers only, ids out of range, a non-integer dtype,
-            an MoE layer whose routed ids are all 0 (unless ``allow_all_zero``).
+        RoutingError: a row count that is neither ``num_tokens`` nor ``num_tokens - 1``, a token
+            count that differs from the mask, a layer axis that fits neither all layers nor MoE
+            layers only, ids out of range (after ``expert_map``), a non-integer dtype, a payload
+            that cannot be decoded, an MoE layer whose routed ids are all 0 (unless
+            ``allow_all_zero``), ``-1`` rows (unless ``missing="live"``).
     """
-    ids, experts, hidden_layers, model_type = _model_info(model)
+    requests = vllm_requests(routed_experts)
+    return _assemble(
+        requests,
+        model,
+        attention_mask=attention_mask,
+        input_lengths=input_lengths,
+        padding_side=padding_side,
+        moe_layer_ids=moe_layer_ids,
+        num_experts=num_experts,
+        num_hidden_layers=num_hidden_layers,
+        allow_all_zero=allow_all_zero,
+        missing=missing,
+        expert_map=expert_map,
+    )
+
+
+def from_sglang(
+    routed_experts: Sequence[Any],
+    model: nn.Module | None = None,
+    *,
+    top_k: int | None = None,
+    dtype: str | None = None,
+    **kwargs: Any,
+) -> RoutingTrace:
+    """Like :func:`from_vllm` for SGLang output.
+
+    Each item is a ``/generate`` response, its ``meta_info`` dict, the base64 string of
+    ``meta_info["routed_experts"]``, an array already decoded, or ``(start, payload)``. The flat
+    payload is decoded as ``meta_info["routed_experts_dtype"]`` (else ``dtype``, else ``int32``)
+    and reshaped to ``(rows, num_hidden_layers, top_k)``; its rows start at
+    ``meta_info["routed_experts_start_len"]`` (rows before it are missing: see ``missing``). With
+    ``meta_info["prompt_tokens"]`` and ``["completion_tokens"]`` no mask is needed. ``top_k``
+    defaults to the model's. Other keyword arguments are those of :func:`from_vllm`.
+
+    Example:
+        >>> import base64, numpy as np
+        >>> payload = base64.b64encode(np.array([[[3, 1]], [[0, 2]]], dtype=np.int32).tobytes()).decode()
+        >>> from_sglang([payload], top_k=2, moe_layer_ids=[0], num_experts=4, num_hidden_layers=1,
+        ...             input_lengths=[3])[0].tolist()
+        [[3, 1], [0, 2], [2, 3]]
+    """
+    layers = kwargs.get("num_hidden_layers")
+    if model is not None:
+        _, _, hidden, _, model_top_k = _model_info(model)
+        top_k = top_k or model_top_k
+        layers = layers or hidden
+    requests = sglang_requests(routed_experts, layers, top_k, dtype)
+    return _assemble(requests, model, **kwargs)
+
+
+def _assemble(
+    requests: list[Request],
+    model: nn.Module | None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    input_lengths: Sequence[int] | None = None,
+    padding_side: str = "right",
+    moe_layer_ids: Sequence[int] | None = None,
+    num_experts: int | None = None,
+    num_hidden_layers: int | None = None,
+    allow_all_zero: bool = False,
+    missing: str = "refuse",
+    expert_map: Any = None,
+) -> RoutingTrace:
+    _check_policy(missing)
+    ids, experts, hidden_layers, model_type, _ = _model_info(model)
     ids = list(moe_layer_ids) if moe_layer_ids is not None else ids
     experts = num_experts if num_experts is not None else experts
     hidden_layers = num_hidden_layers if num_hidden_layers is not None else hidden_layers
@@ -179,33 +300,136 @@ def from_vllm(
             f"The model has several routing sites per decoder layer (layer ids {ids}); engine arrays indexed "
             "by decoder layer cannot say which is which. Build the trace with `layout_requests` instead."
         )
-    mask = _mask(attention_mask, input_lengths, padding_side, len(routed_experts))
+    if not requests:
+        raise RoutingError("No requests given; pass one engine output per batch row.")
+    if attention_mask is None and input_lengths is None and all(r.tokens is not None for r in requests):
+        input_lengths = [int(r.tokens) for r in requests]  # type: ignore[arg-type]
+    mask = _mask(attention_mask, input_lengths, padding_side, len(requests))
+    mapping = _ExpertMap(expert_map, ids, hidden_layers) if expert_map is not None else None
     selected = []
-    for i, raw in enumerate(routed_experts):
-        arr = _as_long(raw, f"request {i}")
-        if arr.dim() != 3:
-            raise RoutingError(
-                f"Routed experts of request {i} must be (tokens, layers, top_k); got shape {tuple(arr.shape)}."
-            )
-        selected.append(_select_layers(arr, ids, hidden_layers, i))
+    for request in requests:
+        rows = _place(request)
+        rows = _select_layers(rows, ids, hidden_layers, request.name)
+        if mapping is not None:
+            rows = mapping.apply(rows, request.name)
+        selected.append(rows)
     if not allow_all_zero:
         _refuse_all_zero_layers(selected, ids)
-    requests = []
-    for i, arr in enumerate(selected):
+    laid_out = []
+    for i, (request, arr) in enumerate(zip(requests, selected)):
         tokens = int(mask[i].sum())
+        if request.tokens is not None and request.tokens != tokens:
+            raise RoutingError(
+                f"{request.name.capitalize()} has {request.tokens} tokens in the engine output (prompt + "
+                f"completion) but its attention_mask row has {tokens} real tokens; pass the mask of the batch "
+                "built from these outputs."
+            )
         if arr.shape[0] == tokens - 1:
             # The last sampled token never ran through the MoE: give it a valid route, using negative
             # filler ordinals so it does not repeat the pad rows' experts.
-            arr = torch.cat(
-                [arr, _fill(-1 - i, 1, arr.shape[2], experts).unsqueeze(1).expand(1, arr.shape[1], -1)]
-            )
+            fill = _fill(-1 - i, 1, arr.shape[2], experts).unsqueeze(1).expand(1, arr.shape[1], -1)
+            arr = torch.cat([arr, fill])
         elif arr.shape[0] != tokens:
             raise RoutingError(
-                f"Routed experts of request {i} have {arr.shape[0]} rows but the request has {tokens} tokens; "
+                f"Routed experts of {request.name} have {arr.shape[0]} rows but the request has {tokens} tokens; "
                 f"expected {tokens - 1} (vLLM/SGLang: the last token has no route) or {tokens}."
             )
-        requests.append(arr)
-    return layout_requests(requests, mask, experts, layer_ids=ids, model_type=model_type)
+        _check_range(arr, experts, True, request.name, ids)
+        if missing == "refuse":
+            _refuse_missing(arr, request.name, ids)
+        laid_out.append(arr)
+    return layout_requests(laid_out, mask, experts, layer_ids=ids, model_type=model_type, missing=missing)
+
+
+def _place(request: Request) -> torch.Tensor:
+    """The request's rows from token 0, ``-1`` where no part covers a token; parts sent twice agree."""
+    parts = request.parts
+    shape = parts[0].rows.shape[1:]
+    for part in parts[1:]:
+        if part.rows.shape[1:] != shape:
+            raise RoutingError(
+                f"The parts of {request.name} have shapes {tuple(parts[0].rows.shape)} and "
+                f"{tuple(part.rows.shape)}; the prompt and completion routes must have the same layers and top_k."
+            )
+    end = max(part.start + part.rows.shape[0] for part in parts)
+    out = torch.full((end, *shape), -1, dtype=torch.long)
+    seen = torch.zeros(end, dtype=torch.bool)
+    for part in parts:
+        span = slice(part.start, part.start + part.rows.shape[0])
+        overlap = seen[span]
+        if bool(overlap.any()):
+            differ = (out[span][overlap] != part.rows[overlap]).flatten(1).any(1)
+            if bool(differ.any()):
+                token = part.start + int(overlap.nonzero()[int(differ.nonzero()[0])])
+                raise RoutingError(
+                    f"Token {token} of {request.name} is routed differently in two parts of its routes."
+                )
+        out[span] = part.rows
+        seen[span] = True
+    return out
+
+
+def _ranges(rows: torch.Tensor) -> str:
+    """``[0, 1, 2, 5]`` as ``"0..2, 5"`` (first three runs)."""
+    values = rows.tolist()
+    runs: list[list[int]] = []
+    for value in values:
+        if runs and value == runs[-1][1] + 1:
+            runs[-1][1] = value
+        else:
+            runs.append([value, value])
+    shown = [f"{a}..{b}" if a != b else f"{a}" for a, b in runs[:3]]
+    return ", ".join(shown) + (", ..." if len(runs) > 3 else "")
+
+
+def _refuse_missing(arr: torch.Tensor, name: str, ids: list[int]) -> None:
+    rows = (arr < 0).all(-1)  # (tokens, layers)
+    if not bool(rows.any()):
+        return
+    layer = int(rows.any(0).nonzero()[0, 0])
+    tokens = rows[:, layer].nonzero().squeeze(1)
+    raise RoutingError(
+        f"{name.capitalize()} has no route for tokens {_ranges(tokens)} of decoder layer `{ids[layer]}` (rows of -1: "
+        "the engine did not compute them, e.g. prefix-cache hits, or rows before `routed_experts_prompt_start` / "
+        "`routed_experts_start_len`). Pass `missing='live'` to let the trainer's router choose those tokens "
+        "(every other row is replayed), or send complete routes."
+    )
+
+
+class _ExpertMap:
+    """Physical-to-logical expert ids, per MoE layer."""
+
+    def __init__(self, table: Any, ids: list[int], hidden_layers: int | None) -> None:
+        table = as_ids(table, "`expert_map`")
+        if table.dim() == 1:
+            self.rows = [table] * len(ids)
+        elif table.dim() == 2 and hidden_layers is not None and table.shape[0] == hidden_layers:
+            self.rows = [table[lid] for lid in ids]
+        elif table.dim() == 2 and table.shape[0] == len(ids):
+            self.rows = list(table)
+        else:
+            raise RoutingError(
+                f"`expert_map` has shape {tuple(table.shape)}; expected (num_physical,) for every layer or "
+                f"(layers, num_physical) with num_hidden_layers={hidden_layers} or {len(ids)} MoE-layer rows."
+            )
+        self.ids = ids
+
+    def apply(self, rows: torch.Tensor, name: str) -> torch.Tensor:
+        out = rows.clone()
+        for j, table in enumerate(self.rows):
+            column = rows[:, j]
+            routed = ~(column < 0).all(-1)
+            values = column[routed]
+            if values.numel() and (int(values.min()) < 0 or int(values.max()) >= table.shape[0]):
+                bad = (values < 0) | (values >= table.shape[0])
+                token = int(routed.nonzero().squeeze(1)[int(bad.any(-1).nonzero()[0, 0])])
+                physical = int(values[bad][0])
+                raise RoutingError(
+                    f"{name.capitalize()} routes token {token} of decoder layer `{self.ids[j]}` to physical expert "
+                    f"{physical}, but the physical-to-logical map of that layer has {table.shape[0]} entries."
+                )
+            out[routed, j] = table[values]
+        return out
 
 
 def _refuse_all_zero_layers(requests: list[torch.Tensor], ids: list[int]) -> None:
@@ -213,7 +437,7 @@ def _refuse_all_zero_layers(requests: list[torch.Tensor], ids: list[int]) -> Non
     rows = [arr for arr in requests if arr.shape[0]]
     if not rows:
         return
-    nonzero = torch.stack([(arr != 0).any(-1).any(0) for arr in rows]).any(0)  # per layer
+    nonzero = torch.stack([(arr > 0).any(-1).any(0) for arr in rows]).any(0)  # per layer; -1 rows say nothing
     if not bool(nonzero.all()):
         layer = ids[int((~nonzero).nonzero()[0, 0])]
         raise RoutingError(
@@ -255,7 +479,7 @@ def join_routes(parts: Sequence[tuple[int, Any]], overlap: str = "check") -> tor
     if not parts:
         raise RoutingError("`join_routes` needs at least one `(start, rows)` part.")
     ordered = sorted(
-        ((int(start), _as_long(rows, f"the part starting at token {start}")) for start, rows in parts),
+        ((int(start), as_ids(rows, f"the part starting at token {start}")) for start, rows in parts),
         key=lambda part: part[0],
     )
     if ordered[0][0] < 0:
@@ -298,7 +522,7 @@ def join_routes(parts: Sequence[tuple[int, Any]], overlap: str = "check") -> tor
 
 
 def _select_layers(
-    arr: torch.Tensor, ids: list[int], hidden_layers: int | None, request: int
+    arr: torch.Tensor, ids: list[int], hidden_layers: int | None, request: str
 ) -> torch.Tensor:
     if hidden_layers is not None and arr.shape[1] == hidden_layers:
         return arr[:, ids]
@@ -307,7 +531,7 @@ def _select_layers(
     if hidden_layers is None and arr.shape[1] > max(ids):
         return arr[:, ids]
     raise RoutingError(
-        f"Routed experts of request {request} have {arr.shape[1]} layers; expected num_hidden_layers="
+        f"Routed experts of {request} have {arr.shape[1]} layers; expected num_hidden_layers="
         f"{hidden_layers} (vLLM/SGLang) or {len(ids)} MoE layers (MoE-only engines)."
     )
 
@@ -316,7 +540,13 @@ def _mask(
     attention_mask: torch.Tensor | None, input_lengths: Sequence[int] | None, padding_side: str, batch: int
 ) -> torch.Tensor:
     if attention_mask is not None:
-        return torch.as_tensor(attention_mask).bool()
+        mask = torch.as_tensor(attention_mask).bool()
+        if mask.dim() != 2 or mask.shape[0] != batch:
+            raise RoutingError(
+                f"`attention_mask` must be (batch, seq) with one row per request ({batch}, completions of a "
+                f"request counted one by one); got shape {tuple(mask.shape)}."
+            )
+        return mask
     if input_lengths is None:
         raise RoutingError(
             "Pass `attention_mask` (the training batch's) or `input_lengths` with `padding_side`."
@@ -331,76 +561,3 @@ def _mask(
     positions = torch.arange(seq)
     lengths = torch.tensor(list(input_lengths)).unsqueeze(1)
     return positions >= seq - lengths if padding_side == "left" else positions < lengths
-
-
-def from_sglang(
-    routed_experts: Sequence[Any],
-    model: nn.Module | None = None,
-    *,
-    top_k: int | None = None,
-    **kwargs: Any,
-) -> RoutingTrace:
-    """Like :func:`from_vllm` for SGLang output: each item a base64 string of ``int32`` (or its
-    ``meta_info`` dict holding ``routed_experts``, or an array already decoded).
-
-    The flat payload is reshaped to ``(rows, num_hidden_layers, top_k)``; ``top_k`` defaults to the
-    model's.
-
-    Example:
-        >>> import base64, numpy as np
-        >>> payload = base64.b64encode(np.array([[[3, 1]], [[0, 2]]], dtype=np.int32).tobytes()).decode()
-        >>> from_sglang([payload], top_k=2, moe_layer_ids=[0], num_experts=4, num_hidden_layers=1,
-        ...             input_lengths=[3])[0].tolist()
-        [[3, 1], [0, 2], [2, 3]]
-    """
-    layers = kwargs.get("num_hidden_layers")
-    if model is not None:
-        top_k = top_k or moe_layers(model)[0].top_k
-        config = cast(Any, model).config.get_text_config() if hasattr(model, "config") else None
-        layers = layers or getattr(config, "num_hidden_layers", None)
-    decoded = []
-    for i, item in enumerate(routed_experts):
-        if isinstance(item, dict):
-            if "routed_experts" not in item:
-                raise RoutingError(
-                    f"Request {i}'s `meta_info` has no `routed_experts`; start SGLang with "
-                    "`return_routed_experts` and pass each request's `meta_info` (or its `routed_experts`)."
-                )
-            item = item["routed_experts"]
-        if isinstance(item, (str, bytes)):
-            if top_k is None or layers is None:
-                raise RoutingError(
-                    "Decoding SGLang base64 needs `top_k` and `num_hidden_layers` (or `model`)."
-                )
-            item = _decode_sglang(item, i, layers, top_k)
-        elif not hasattr(item, "__array__") and not isinstance(item, (torch.Tensor, list, tuple)):
-            raise RoutingError(
-                f"SGLang routes of request {i} must be a base64 string of int32 (or an array); got "
-                f"`{type(item).__name__}`."
-            )
-        decoded.append(item)
-    return from_vllm(decoded, model, **kwargs)
-
-
-def _decode_sglang(payload: str | bytes, request: int, layers: int, top_k: int) -> torch.Tensor:
-    """Base64 of little-endian int32 to ``(rows, layers, top_k)``; malformed input is a RoutingError."""
-    try:
-        raw = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise RoutingError(
-            f"SGLang payload of request {request} is not valid base64 ({exc}); pass "
-            "`meta_info['routed_experts']` as SGLang returned it."
-        ) from None
-    if not raw:
-        raise RoutingError(f"SGLang payload of request {request} is empty; it holds no routed experts.")
-    if len(raw) % 4:
-        raise RoutingError(
-            f"SGLang payload of request {request} decodes to {len(raw)} bytes, not a whole number of int32 ids."
-        )
-    flat = torch.frombuffer(bytearray(raw), dtype=torch.int32)
-    if flat.numel() % (layers * top_k):
-        raise RoutingError(
-            f"SGLang payload of request {request} holds {flat.numel()} ids, not a multiple of "
-            f"num_hidden_layers * top_k = {layers * top_k}."
-        )
-    return flat.reshape(-1, layers, top_k)

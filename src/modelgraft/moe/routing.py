@@ -32,38 +32,15 @@ import torch
 from torch import nn
 
 from modelgraft.errors import RoutingError
-from modelgraft.moe._discovery import MoELayer, find_moe_layers, unsupported_reason
+from modelgraft.moe._discovery import MoELayer
+from modelgraft.moe._ids import compact_dtype, is_id_dtype, missing_rows, widen
 from modelgraft.moe._intercept import _Site, hook_scope, unhook_scope
+from modelgraft.moe._layers import moe_layers
 from modelgraft.moe._layout import ForwardLog
-from modelgraft.moe.trace import RoutingTrace, is_id_dtype
+from modelgraft.moe._session import ReplaySession, rows_of
+from modelgraft.moe.trace import RoutingTrace
 
-__all__ = ["moe_layers", "record_routing", "replay_routing"]
-
-
-def moe_layers(model: nn.Module) -> list[MoELayer]:
-    """The MoE layers of ``model`` that record/replay would hook, in model order.
-
-    Raises:
-        RoutingError: the model has no MoE layer, or a family whose selection is not a top-k.
-    """
-    layers = find_moe_layers(model)
-    if not layers:
-        raise RoutingError(
-            f"`{type(model).__name__}` has no MoE router module (a `*Router`/`*Gate` next to an "
-            "`*Experts` module); record/replay needs a Mixture-of-Experts model."
-        )
-    for layer in layers:
-        reason = unsupported_reason(layer.router) or unsupported_reason(layer.scope)
-        if reason:
-            raise RoutingError(
-                f"MoE layer `{layer.name}` ({type(layer.router).__name__}) cannot be recorded or replayed: {reason}."
-            )
-    scopes = [id(layer.scope) for layer in layers]
-    if len(set(scopes)) != len(scopes):
-        raise RoutingError(
-            f"Two routers of `{type(model).__name__}` share one MoE block; one block per router is supported."
-        )
-    return layers
+__all__ = ["ReplaySession", "moe_layers", "record_routing", "replay_routing"]
 
 
 @contextmanager
@@ -87,7 +64,9 @@ def record_routing(model: nn.Module) -> Iterator[RoutingTrace]:
     """Record the selected experts of every MoE layer during the forwards run inside the block.
 
     The yielded :class:`RoutingTrace` is filled when the block exits: per MoE layer a
-    ``(num_tokens, top_k)`` long tensor laid out like one forward of the tokens that were forwarded:
+    ``(num_tokens, top_k)`` integer tensor (in :func:`~modelgraft.moe.compact_dtype`: ``uint8`` up to
+    256 experts; call ``.long()`` before indexing with it) laid out like one forward of the tokens
+    that were forwarded:
 
     * independent forwards (each starting a fresh KV cache, or none) are concatenated along the
       token axis in call order, each row-major over its batch;
@@ -124,7 +103,9 @@ def record_routing(model: nn.Module) -> Iterator[RoutingTrace]:
     log = ForwardLog(model, sites)
     with _hooked(sites), log:
         yield trace
-    trace.layers, trace.batch_size = log.layout()
+    recorded, trace.batch_size = log.layout()
+    # The ids are stored compact (uint8 up to 256 experts): the recording is what travels to the trainer.
+    trace.layers = [t.to(compact_dtype(site.layer.num_experts)) for t, site in zip(recorded, sites)]
     trace.layer_ids = [site.layer.layer_id for site in sites]
     trace.layer_names = [site.layer.name for site in sites]
 
@@ -143,7 +124,11 @@ def _as_tensors(
 
 
 def _validate(
-    layers: list[MoELayer], tensors: list[torch.Tensor], layer_ids: list[int] | None, allow_all_zero: bool
+    layers: list[MoELayer],
+    tensors: list[torch.Tensor],
+    layer_ids: list[int] | None,
+    allow_all_zero: bool,
+    live_ok: bool,
 ) -> None:
     if len(tensors) != len(layers):
         names = ", ".join(f"`{layer.name}`" for layer in layers[:4])
@@ -177,15 +162,28 @@ def _validate(
                 f"Routing for MoE layer `{layer.name}` has top_k={tensor.shape[1]} columns but the layer "
                 f"selects top_k={layer.top_k}; record with the same model configuration."
             )
-        if tensor.numel():
-            low, high = int(tensor.min()), int(tensor.max())
+        tensor = widen(tensor)
+        live = missing_rows(tensor, f"MoE layer `{layer.name}`") if live_ok else None
+        real = tensor[~live] if live is not None else tensor
+        if tensor.numel() and not real.numel():
+            raise RoutingError(
+                f"Every row of the routing for MoE layer `{layer.name}` is -1 (no route): that layer was not "
+                "captured. Capture it; `missing='live'` lets the router choose some tokens, not a whole layer."
+            )
+        if real.numel():
+            low, high = int(real.min()), int(real.max())
             if low < 0 or high >= layer.num_experts:
+                hint = (
+                    " Rows of -1 (tokens without a route) are replayed live only with `missing='live'`."
+                    if low == -1
+                    else ""
+                )
                 raise RoutingError(
                     f"Routing for MoE layer `{layer.name}` holds expert id {low if low < 0 else high}, out of "
                     f"range for its {layer.num_experts} experts (valid: 0..{layer.num_experts - 1}); fill "
-                    "missing routes (e.g. -1 sentinels) before replaying."
+                    f"missing routes (e.g. -1 sentinels) before replaying.{hint}"
                 )
-        _refuse_unreal_routes(layer, tensor, allow_all_zero)
+        _refuse_unreal_routes(layer, real, allow_all_zero)
 
 
 def _refuse_unreal_routes(layer: MoELayer, tensor: torch.Tensor, allow_all_zero: bool) -> None:
@@ -212,8 +210,12 @@ def _refuse_unreal_routes(layer: MoELayer, tensor: torch.Tensor, allow_all_zero:
 
 @contextmanager
 def replay_routing(
-    model: nn.Module, routing: RoutingTrace | Sequence[torch.Tensor], *, allow_all_zero: bool = False
-) -> Iterator[None]:
+    model: nn.Module,
+    routing: RoutingTrace | Sequence[torch.Tensor],
+    *,
+    allow_all_zero: bool = False,
+    missing: str | None = None,
+) -> Iterator[ReplaySession]:
     """Force every MoE layer to use the given experts during the forwards run inside the block.
 
     Each MoE layer uses its whole routing tensor on each forward call, so a forward recomputed by
@@ -221,33 +223,56 @@ def replay_routing(
     before the block ends. Exactly the given ids reach the experts, in every family; what a family
     cannot select exactly is refused.
 
+    The block yields a :class:`ReplaySession`: ``session.micro_batch(sample_ids)`` makes the forwards
+    inside it use the rows of those sequences only (gradient accumulation), padded or packed, and
+    the forwards gradient checkpointing recomputes get the rows of their own micro-batch.
+
     Args:
         model: the model the routing was recorded on (or one with the same architecture).
         routing: a :class:`RoutingTrace` or a list with one ``(num_tokens, top_k)`` integer tensor per
             MoE layer, in model order.
         allow_all_zero: accept an MoE layer whose every id is 0. Refused by default: that is what a
             layer nobody captured looks like (a pipeline stage that did not record).
+        missing: what rows of ``-1`` (tokens without a route) mean: ``"refuse"`` (an error) or
+            ``"live"`` (the router chooses those tokens itself; every other row is forced). Default:
+            the trace's ``missing`` (``"refuse"`` for a list of tensors).
 
     Raises:
         RoutingError: wrong number of layers, top-k, an expert id out of range, a non-integer tensor,
             the same expert twice in one token's row, an all-zero layer (unless ``allow_all_zero``), a
             token count that does not match the batch (at forward time), experts in more groups than a
-            group-limited router keeps (at forward time), or routing left unconsumed when the block ends.
+            group-limited router keeps (at forward time), or routing left unconsumed when the block
+            ends (a layer no forward ran through, or sequences no micro-batch ran).
     """
     layers = moe_layers(model)
     tensors, layer_ids = _as_tensors(routing)
-    _validate(layers, tensors, layer_ids, allow_all_zero)
+    if missing is None:
+        missing = routing.missing if isinstance(routing, RoutingTrace) else "refuse"
+    if missing not in ("refuse", "live"):
+        raise RoutingError(f"`missing` must be 'refuse' or 'live'; got `{missing!r}`.")
+    _validate(layers, tensors, layer_ids, allow_all_zero, missing == "live")
     batch_size = routing.batch_size if isinstance(routing, RoutingTrace) else None
     sites = [_Site(layer) for layer in layers]
-    for site, tensor in zip(sites, tensors):
-        site.forced = tensor.long()
-        site.batch_size = batch_size
-    with _hooked(sites):
-        yield
+    whole = rows_of(tensors, batch_size, missing == "live")
+    session = ReplaySession(model, sites, routing, whole)
+    if isinstance(routing, RoutingTrace) and missing != routing.missing:
+        session.trace = routing._copy(list(routing.layers), routing.batch_size, missing=missing)
+    try:
+        with _hooked(sites):
+            yield session
+    finally:
+        session.close()
     unused = [site.layer.name for site in sites if not site.consumed]
     if unused:
         shown = ", ".join(f"`{name}`" for name in unused[:4])
         raise RoutingError(
             f"Routing for MoE layers {shown}{', ...' if len(unused) > 4 else ''} was never used: no forward "
             "ran through them inside the `replay_routing` block. Run the model inside the block."
+        )
+    samples = session.unused_samples()
+    if samples:
+        raise RoutingError(
+            f"Routing of sequences {samples[:8]}{' ...' if len(samples) > 8 else ''} was never used: no "
+            "`micro_batch` block ran them. Give every sequence of the trace to a micro-batch, or replay "
+            "`trace.select(...)` of the ones you train on."
         )

@@ -1,9 +1,17 @@
-"""RoutingTrace: the experts each token was sent to, per MoE layer, and its safetensors form.
+"""RoutingTrace: the experts each token was sent to, per MoE layer.
+
+Ids are kept in the smallest integer dtype that holds ``num_experts`` (:func:`compact_dtype`:
+``uint8`` up to 256 experts, ``int16`` up to 32768, else ``int32``), in memory, on disk and in
+:meth:`RoutingTrace.to_bytes`. A row of ``-1`` is a token without a route (an engine's prefix-cache
+hit); it is kept only in a trace whose ``missing`` policy is ``"live"``, and ``replay_routing``
+lets the router choose for it.
 
 Example:
     >>> import torch, tempfile, os
     >>> trace = RoutingTrace([torch.tensor([[0, 3], [2, 1]])], layer_ids=[1], top_k=2, num_experts=4,
-    ...                      model_type="qwen3_moe")
+    ...                      model_type="qwen3_moe").compact()
+    >>> trace.layers[0].dtype, trace[0].dtype  # stored compact; indexing gives int64
+    (torch.uint8, torch.int64)
     >>> path = os.path.join(tempfile.mkdtemp(), "routing.safetensors")
     >>> trace.save(path)
     >>> loaded = RoutingTrace.load(path)
@@ -13,50 +21,44 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from modelgraft.errors import RoutingError
+from modelgraft.moe._ids import (
+    MISSING_POLICIES,
+    compact_dtype,
+    is_id_dtype,
+    missing_rows,
+    spread_fill,
+    to_compact,
+)
 
-__all__ = ["RoutingTrace"]
+if TYPE_CHECKING:
+    from torch import nn
 
-_FORMAT = "modelgraft.routing/1"
-_INT32_MAX = 2**31 - 1
-
-
-def is_id_dtype(dtype: torch.dtype) -> bool:
-    """Whether tensors of ``dtype`` can hold expert ids: integers (signed or not), not bool.
-
-    Example:
-        >>> is_id_dtype(torch.int32), is_id_dtype(torch.uint8), is_id_dtype(torch.bool), is_id_dtype(torch.float16)
-        (True, True, False, False)
-    """
-    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
-
-
-def spread_fill(start: int, count: int, top_k: int, num_experts: int) -> torch.Tensor:
-    """Rows ``start .. start+count-1`` of the filler for positions without a route.
-
-    Ordinal ``p`` uses experts ``(p * top_k + j) % num_experts``: valid, distinct within a row when
-    ``top_k <= num_experts``, and spread over the experts (a constant fill would overload one).
-
-    Example:
-        >>> spread_fill(0, 3, 2, 4).tolist()
-        [[0, 1], [2, 3], [0, 1]]
-    """
-    ordinal = torch.arange(start, start + count).unsqueeze(1) * top_k + torch.arange(top_k)
-    return ordinal % num_experts
+__all__ = ["MISSING_POLICIES", "RoutingTrace", "compact_dtype", "is_id_dtype", "missing_rows", "spread_fill"]
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _id_list(values: Any, name: str) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    if isinstance(values, (str, bytes)) or (
+        not isinstance(values, Sequence) and not hasattr(values, "__iter__")
+    ):
+        raise RoutingError(f"`{name}` must be a sequence of integers; got `{type(values).__name__}`.")
+    out = list(values)
+    if not all(_is_int(v) for v in out):
+        raise RoutingError(f"`{name}` must hold integers; got {out[:8]}.")
+    return out
 
 
 @dataclass
@@ -66,13 +68,18 @@ class RoutingTrace:
     Attributes:
         layers: one ``(num_tokens, top_k)`` integer tensor per MoE layer, in model order. Tokens are
             the flattened ``batch * seq`` positions as the router sees them (row-major over the batch).
+            Traces made by modelgraft store them in :func:`compact_dtype`; ``trace[i]`` and iterating
+            give ``int64`` copies (a ``uint8`` tensor used as an index would be a boolean mask).
         layer_ids: the decoder-layer index of each MoE layer (absolute, dense layers counted).
         top_k: experts per token.
         num_experts: experts per layer.
         model_type: ``config.model_type`` of the model it belongs to (informative).
         layer_names: qualified router module names (informative; empty when unknown).
         batch_size: when the rows are known to be ``batch_size`` sequences of equal length, laid out
-            per sequence then per position (a recording of one forward, or of ``generate``); else ``None``.
+            per sequence then per position (a recording of one forward, of ``generate``, an engine
+            batch); else ``None``.
+        missing: what ``replay_routing`` does with rows of ``-1`` (tokens without a route):
+            ``"refuse"`` (the default: they are an error) or ``"live"`` (the router chooses them).
     """
 
     layers: list[torch.Tensor]
@@ -82,6 +89,7 @@ class RoutingTrace:
     model_type: str | None = None
     layer_names: list[str] = field(default_factory=list)
     batch_size: int | None = None
+    missing: str = "refuse"
 
     def __post_init__(self) -> None:
         self.layers = list(self.layers)
@@ -92,6 +100,8 @@ class RoutingTrace:
                 f"RoutingTrace got {len(self.layers)} layer tensors but {len(self.layer_ids)} `layer_ids`; "
                 "pass one id per tensor."
             )
+        if self.missing not in MISSING_POLICIES:
+            raise RoutingError(f"`missing` must be 'refuse' or 'live'; got `{self.missing!r}`.")
         for lid, tensor in zip(self.layer_ids, self.layers):
             if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 or not is_id_dtype(tensor.dtype):
                 got = (
@@ -107,15 +117,27 @@ class RoutingTrace:
         return len(self.layers)
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        return self.layers[index]
+        """Layer ``index``'s ids as ``int64`` (safe to index with; ``.layers`` holds the compact tensors)."""
+        return self.layers[index].long()
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        return iter(self.layers)
+        """The layers' ids as ``int64``, like ``trace[i]``."""
+        return (tensor.long() for tensor in self.layers)
 
     @property
     def num_tokens(self) -> int:
         """Rows per layer (0 for an empty trace)."""
         return int(self.layers[0].shape[0]) if self.layers else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the ids take in memory (what :meth:`to_bytes` sends, less its small header).
+
+        Example:
+            >>> RoutingTrace([torch.zeros(32, 8, dtype=torch.long)], num_experts=128).compact().nbytes
+            256
+        """
+        return sum(t.numel() * t.element_size() for t in self.layers)
 
     @classmethod
     def from_tensors(cls, tensors: Sequence[torch.Tensor]) -> RoutingTrace:
@@ -127,20 +149,79 @@ class RoutingTrace:
         """
         return cls(list(tensors))
 
-    def _copy(self, layers: list[torch.Tensor], batch_size: int | None) -> RoutingTrace:
-        return RoutingTrace(
-            layers,
-            list(self.layer_ids),
-            self.top_k,
-            self.num_experts,
-            self.model_type,
-            list(self.layer_names),
-            batch_size,
-        )
+    def _copy(self, layers: list[torch.Tensor], batch_size: int | None, **changes: Any) -> RoutingTrace:
+        fields = {
+            "layer_ids": list(self.layer_ids),
+            "top_k": self.top_k,
+            "num_experts": self.num_experts,
+            "model_type": self.model_type,
+            "layer_names": list(self.layer_names),
+            "batch_size": batch_size,
+            "missing": self.missing,
+        }
+        fields.update(changes)
+        return RoutingTrace(layers, **fields)
 
     def to(self, device: torch.device | str) -> RoutingTrace:
         """A copy with every tensor moved to ``device``."""
         return self._copy([t.to(device) for t in self.layers], self.batch_size)
+
+    def compact(self) -> RoutingTrace:
+        """A copy whose ids use :func:`compact_dtype` (``num_experts`` from the trace, else the largest id + 1).
+
+        Raises:
+            RoutingError: an id outside ``0 .. num_experts - 1``; a ``-1`` row in a trace whose
+                ``missing`` policy is ``"refuse"``.
+        """
+        experts = self.num_experts
+        if experts is None:
+            experts = 1 + max((int(t.max()) for t in self.layers if t.numel()), default=0)
+        live = self.missing == "live"
+        layers = [
+            to_compact(t, experts, f"layer `{lid}`", allow_missing=live)
+            for lid, t in zip(self.layer_ids, self.layers)
+        ]
+        return self._copy(layers, self.batch_size)
+
+    # ---- batch layout -------------------------------------------------------------------------
+    def _layout(self, action: str) -> tuple[int, int]:
+        batch = self.batch_size
+        if not batch or self.num_tokens % batch:
+            raise RoutingError(
+                f"To {action}, the trace needs a known batch layout (`batch_size`), but it has "
+                f"batch_size={batch} for {self.num_tokens} rows; engine adapters, `layout_requests` and a "
+                "recording of one forward or of `generate` set it (or pass `batch_size` to `RoutingTrace`)."
+            )
+        return batch, self.num_tokens // batch
+
+    @property
+    def seq_len(self) -> int | None:
+        """Positions per sequence when the batch layout is known, else ``None``."""
+        batch = self.batch_size
+        return self.num_tokens // batch if batch and self.num_tokens % batch == 0 else None
+
+    def select(self, sample_ids: Sequence[int]) -> RoutingTrace:
+        """The rows of the sequences ``sample_ids`` (in that order): one micro-batch of a rollout batch.
+
+        Raises:
+            RoutingError: the trace has no batch layout, or a sample id outside ``0 .. batch_size - 1``.
+
+        Example:
+            >>> trace = RoutingTrace([torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])], batch_size=2)
+            >>> trace.select([1])[0].tolist()  # sequence 1: its 2 positions
+            [[4, 5], [6, 7]]
+        """
+        batch, seq = self._layout("select sequences")
+        ids = _id_list(sample_ids, "sample_ids")
+        bad = [i for i in ids if not 0 <= i < batch]
+        if bad or not ids:
+            raise RoutingError(
+                f"Sample ids must be a non-empty list within 0..{batch - 1} (the trace holds {batch} "
+                f"sequences); got {ids[:8]}."
+            )
+        index = torch.tensor(ids, device=self.layers[0].device if self.layers else None)
+        layers = [t.reshape(batch, seq, t.shape[1])[index].reshape(-1, t.shape[1]) for t in self.layers]
+        return self._copy(layers, len(ids))
 
     def append_positions(self, count: int = 1) -> RoutingTrace:
         """A copy with ``count`` more positions at the end of every sequence, routed to filler experts.
@@ -179,161 +260,192 @@ class RoutingTrace:
             layers.append(torch.cat([per_sequence, fill.to(tensor)], dim=1).reshape(-1, k))
         return self._copy(layers, batch)
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the trace to a safetensors file (tensors ``layer.<i>`` as int32, metadata as JSON strings).
+    def pack(
+        self,
+        attention_mask: torch.Tensor,
+        packs: Sequence[Sequence[int]] | None = None,
+        *,
+        row_length: int | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> RoutingTrace:
+        """The trace of a packed (padding-free) batch: see :func:`modelgraft.moe.pack_routes`."""
+        from modelgraft.moe.packing import pack_routes
+
+        return pack_routes(self, attention_mask, packs, row_length=row_length, position_ids=position_ids)
+
+    # ---- layers (pipeline stages) -------------------------------------------------------------
+    def select_layers(self, layer_ids: Sequence[int]) -> RoutingTrace:
+        """The trace of the MoE layers ``layer_ids`` (decoder-layer indices), in that order.
 
         Raises:
-            RoutingError: an id int32 cannot store (it would be truncated).
+            RoutingError: a layer id the trace does not hold (names it and the ids it holds), or a
+                trace whose layer ids repeat (several routing sites per decoder layer).
+
+        Example:
+            >>> trace = RoutingTrace([torch.tensor([[0, 1]]), torch.tensor([[2, 3]])], layer_ids=[1, 3])
+            >>> trace.select_layers([3]).layer_ids, trace.select_layers([3])[0].tolist()
+            ([3], [[2, 3]])
+        """
+        wanted = _id_list(layer_ids, "layer_ids")
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            raise RoutingError(
+                f"This trace has several routing sites per decoder layer (layer ids {self.layer_ids}); "
+                "select its layers by position (`trace.layers[i]`) instead."
+            )
+        position = {lid: i for i, lid in enumerate(self.layer_ids)}
+        absent = [lid for lid in wanted if lid not in position]
+        if absent:
+            raise RoutingError(
+                f"The trace has no routing for decoder layer `{absent[0]}`; it holds layers {self.layer_ids}."
+            )
+        picks = [position[lid] for lid in wanted]
+        names = [self.layer_names[i] for i in picks] if self.layer_names else []
+        return self._copy(
+            [self.layers[i] for i in picks], self.batch_size, layer_ids=wanted, layer_names=names
+        )
+
+    def check_captured(self, *, allow_all_zero: bool = False) -> RoutingTrace:
+        """Check that every layer of the trace holds captured routes; returns the trace.
+
+        A layer with no rows, with only ``-1`` rows, or whose every id is 0 is what an engine or a
+        pipeline stage reports for a layer it did not capture; replaying it would send every token
+        to expert 0 (or route it live unnoticed).
+
+        Raises:
+            RoutingError: naming the first such layer (all-zero layers pass with ``allow_all_zero``).
+
+        Example:
+            >>> RoutingTrace([torch.tensor([[0, 0]])], layer_ids=[5]).check_captured()
+            Traceback (most recent call last):
+            ...
+            modelgraft.errors.RoutingError: Every expert id of decoder layer `5` is 0 ...
         """
         for lid, tensor in zip(self.layer_ids, self.layers):
-            if tensor.numel():
-                low, high = int(tensor.min()), int(tensor.max())
-                if low < -_INT32_MAX - 1 or high > _INT32_MAX:
-                    bad = high if high > _INT32_MAX else low
-                    raise RoutingError(
-                        f"Routing for layer `{lid}` holds expert id {bad}, which int32 cannot store; the file "
-                        "keeps ids as int32."
-                    )
-        tensors = {
-            f"layer.{i}": t.detach().to("cpu", torch.int32).contiguous() for i, t in enumerate(self.layers)
-        }
-        meta = {
-            "format": _FORMAT,
-            "layer_ids": json.dumps(self.layer_ids),
-            "layer_names": json.dumps(self.layer_names),
-            "top_k": json.dumps(self.top_k),
-            "num_experts": json.dumps(self.num_experts),
-            "model_type": json.dumps(self.model_type),
-            "batch_size": json.dumps(self.batch_size),
-        }
-        save_file(tensors, os.fspath(path), metadata=meta)
+            missing = missing_rows(tensor, f"layer `{lid}`")
+            real = tensor[~missing] if missing is not None else tensor
+            if not real.numel():
+                raise RoutingError(
+                    f"Decoder layer `{lid}` has no captured rows in the trace ({tensor.shape[0]} rows, none "
+                    "routed); record or capture that layer (the pipeline stage that owns it)."
+                )
+            if not allow_all_zero and not bool(real.any()):
+                raise RoutingError(
+                    f"Every expert id of decoder layer `{lid}` is 0 ({real.shape[0]} rows): that is what an "
+                    "engine or pipeline stage reports for a layer it did not capture. Capture that layer, or "
+                    "pass `allow_all_zero=True` if these routes are real."
+                )
+        return self
+
+    def for_model(
+        self, model: nn.Module, *, layer_offset: int = 0, allow_all_zero: bool = False
+    ) -> RoutingTrace:
+        """The layers that ``model`` (e.g. one pipeline stage) holds, checked to be captured.
+
+        Args:
+            model: a model or stage whose MoE layers are found with ``moe_layers``.
+            layer_offset: added to the stage's own layer ids to find them in the trace, for a stage
+                whose decoder layers are numbered from 0 (a stage holding global layers 8.. with local
+                names ``layers.0..``: ``layer_offset=8``). The result carries the stage's own ids.
+            allow_all_zero: see :meth:`check_captured`.
+
+        Raises:
+            RoutingError: a layer of the stage absent from the trace, or not captured.
+        """
+        from modelgraft.moe._layers import moe_layers
+
+        layers = moe_layers(model)
+        local = [layer.layer_id for layer in layers]
+        picked = self.select_layers([lid + layer_offset for lid in local])
+        picked.layer_ids = local
+        picked.layer_names = [layer.name for layer in layers]
+        return picked.check_captured(allow_all_zero=allow_all_zero)
+
+    @classmethod
+    def join_layers(cls, traces: Sequence[RoutingTrace]) -> RoutingTrace:
+        """One trace from the traces of several pipeline stages (disjoint layers, the same tokens).
+
+        Raises:
+            RoutingError: traces with different rows, top-k, experts or batch layout, or a layer twice.
+
+        Example:
+            >>> a = RoutingTrace([torch.tensor([[0, 1]])], layer_ids=[0], top_k=2, num_experts=4)
+            >>> b = RoutingTrace([torch.tensor([[2, 3]])], layer_ids=[1], top_k=2, num_experts=4)
+            >>> RoutingTrace.join_layers([b, a]).layer_ids
+            [0, 1]
+        """
+        traces = list(traces)
+        if not traces:
+            raise RoutingError("`join_layers` needs at least one trace.")
+        first = traces[0]
+        for other in traces[1:]:
+            same = (other.num_tokens, other.top_k, other.num_experts, other.batch_size, other.missing)
+            want = (first.num_tokens, first.top_k, first.num_experts, first.batch_size, first.missing)
+            if same != want:
+                raise RoutingError(
+                    "Traces of pipeline stages must cover the same tokens: (rows, top_k, num_experts, "
+                    f"batch_size, missing) = {want} and {same} differ."
+                )
+        entries = sorted(
+            (lid, t, (tr.layer_names[i] if tr.layer_names else ""))
+            for tr in traces
+            for i, (lid, t) in enumerate(zip(tr.layer_ids, tr.layers))
+        )
+        ids = [lid for lid, _, _ in entries]
+        repeated = sorted({lid for lid in ids if ids.count(lid) > 1})
+        if repeated:
+            raise RoutingError(f"Decoder layer `{repeated[0]}` is in more than one of the traces to join.")
+        names = [name for _, _, name in entries]
+        return first._copy(
+            [t for _, t, _ in entries],
+            first.batch_size,
+            layer_ids=ids,
+            layer_names=names if all(names) else [],
+        )
+
+    # ---- storage ------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the trace to a safetensors file: tensors ``layer.<i>`` in :func:`compact_dtype`,
+        metadata as JSON strings.
+
+        Raises:
+            RoutingError: an id outside ``0 .. num_experts - 1`` (it would be truncated), or ``-1``
+                in a trace whose ``missing`` policy is ``"refuse"``.
+        """
+        from modelgraft.moe._storage import save_trace
+
+        save_trace(self, path)
+
+    def to_bytes(self) -> bytes:
+        """The safetensors bytes :meth:`save` writes: the compact form to send over the wire.
+
+        Example:
+            >>> trace = RoutingTrace([torch.tensor([[0, 3]])], top_k=2, num_experts=4)
+            >>> RoutingTrace.from_bytes(trace.to_bytes())[0].tolist()
+            [[0, 3]]
+        """
+        from modelgraft.moe._storage import trace_bytes
+
+        return trace_bytes(self)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> RoutingTrace:
-        """Read a trace written by :meth:`save`; tensors come back as ``torch.long``.
+        """Read a trace written by :meth:`save`; ids come back in :func:`compact_dtype`.
 
         Every part of the file is checked: metadata (valid JSON of the right types), tensor names
         (exactly ``layer.0`` .. ``layer.<n-1>`` for ``n`` layer ids), integer dtypes, 2-D shapes,
-        ``top_k`` columns and ids within ``0 .. num_experts - 1``.
+        ``top_k`` columns and ids within ``0 .. num_experts - 1`` (``-1`` rows only when the
+        trace's ``missing`` policy is ``"live"``).
 
         Raises:
             RoutingError: the file is not a routing trace or any of the above does not hold.
         """
-        try:
-            with safe_open(os.fspath(path), framework="pt") as handle:
-                meta = handle.metadata() or {}
-                names = list(handle.keys())
-                if meta.get("format") != _FORMAT:
-                    raise RoutingError(
-                        f"`{path}` is not a modelgraft routing trace (metadata format `{meta.get('format')}`, "
-                        f"expected `{_FORMAT}`); write it with `RoutingTrace.save`."
-                    )
-                fields = _read_metadata(path, meta)
-                expected = [f"layer.{i}" for i in range(len(fields["layer_ids"]))]
-                _check_names(path, names, expected)
-                layers = [_read_layer(path, name, handle.get_tensor(name), fields) for name in expected]
-        except RoutingError:
-            raise
-        except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as exc:
-            if isinstance(exc, FileNotFoundError):
-                raise
-            raise RoutingError(
-                f"`{path}` cannot be read as safetensors ({type(exc).__name__}: {exc}); write it with "
-                "`RoutingTrace.save`."
-            ) from exc
-        return cls(
-            layers,
-            fields["layer_ids"],
-            fields["top_k"],
-            fields["num_experts"],
-            fields["model_type"],
-            fields["layer_names"],
-            fields["batch_size"],
-        )
+        from modelgraft.moe._storage import load_trace
 
+        return cls(**load_trace(path))
 
-def _json_field(path: Any, meta: dict[str, str], key: str, default: str | None = None) -> Any:
-    raw = meta.get(key, default)
-    if raw is None:
-        raise RoutingError(
-            f"`{path}`: the routing trace's metadata has no `{key}`; write it with `RoutingTrace.save`."
-        )
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise RoutingError(
-            f"`{path}`: the routing trace's metadata `{key}` is not valid JSON ({type(exc).__name__}); the file "
-            "was changed after `RoutingTrace.save` wrote it."
-        ) from None
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RoutingTrace:
+        """Read the bytes of :meth:`to_bytes`, with the checks of :meth:`load`."""
+        from modelgraft.moe._storage import trace_from_bytes
 
-
-def _read_metadata(path: Any, meta: dict[str, str]) -> dict[str, Any]:
-    fields = {
-        "layer_ids": _json_field(path, meta, "layer_ids"),
-        "top_k": _json_field(path, meta, "top_k"),
-        "num_experts": _json_field(path, meta, "num_experts"),
-        "model_type": _json_field(path, meta, "model_type"),
-        "layer_names": _json_field(path, meta, "layer_names", "[]"),
-        "batch_size": _json_field(path, meta, "batch_size", "null"),
-    }
-    ids = fields["layer_ids"]
-    if not isinstance(ids, list) or not all(_is_int(i) and i >= 0 for i in ids):
-        raise RoutingError(
-            f"`{path}`: metadata `layer_ids` must be a list of non-negative integers; got {json.dumps(ids)[:80]}."
-        )
-    for key in ("top_k", "num_experts", "batch_size"):
-        value = fields[key]
-        if value is not None and not (_is_int(value) and value > 0):
-            raise RoutingError(
-                f"`{path}`: metadata `{key}` must be a positive integer or null; got {json.dumps(value)[:80]}."
-            )
-    if fields["model_type"] is not None and not isinstance(fields["model_type"], str):
-        raise RoutingError(
-            f"`{path}`: metadata `model_type` must be a string or null; got {json.dumps(fields['model_type'])[:80]}."
-        )
-    names = fields["layer_names"]
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise RoutingError(
-            f"`{path}`: metadata `layer_names` must be a list of strings; got {json.dumps(names)[:80]}."
-        )
-    if names and len(names) != len(ids):
-        raise RoutingError(f"`{path}`: metadata `layer_names` has {len(names)} names for {len(ids)} layers.")
-    return fields
-
-
-def _check_names(path: Any, names: list[str], expected: list[str]) -> None:
-    extra = sorted(set(names) - set(expected))
-    if extra:
-        raise RoutingError(
-            f"`{path}` holds unexpected tensor `{extra[0]}`; a routing trace holds `layer.0` .. "
-            f"`layer.{len(expected) - 1}`, one per entry of `layer_ids`."
-        )
-    if len(names) != len(expected):
-        shown = ", ".join(f"`{n}`" for n in sorted(names))
-        raise RoutingError(
-            f"`{path}` holds tensors [{shown}] but its metadata names {len(expected)} layers (`layer_ids`); the "
-            "file is incomplete."
-        )
-
-
-def _read_layer(path: Any, name: str, tensor: torch.Tensor, fields: dict[str, Any]) -> torch.Tensor:
-    if not is_id_dtype(tensor.dtype):
-        raise RoutingError(
-            f"`{path}`: tensor `{name}` holds `{tensor.dtype}` ids; expected integers (int32)."
-        )
-    if tensor.dim() != 2:
-        raise RoutingError(
-            f"`{path}`: tensor `{name}` has shape {tuple(tensor.shape)}; expected (num_tokens, top_k)."
-        )
-    top_k, num_experts = fields["top_k"], fields["num_experts"]
-    if top_k is not None and tensor.shape[1] != top_k:
-        raise RoutingError(f"`{path}`: tensor `{name}` has {tensor.shape[1]} columns but top_k={top_k}.")
-    tensor = tensor.long()
-    if tensor.numel():
-        low, high = int(tensor.min()), int(tensor.max())
-        limit = num_experts if num_experts is not None else None
-        if low < 0 or (limit is not None and high >= limit):
-            bad = low if low < 0 else high
-            valid = f"0..{limit - 1}" if limit is not None else "0 or more"
-            raise RoutingError(f"`{path}`: tensor `{name}` holds expert id {bad}, outside {valid}.")
-    return tensor
+        return cls(**trace_from_bytes(data))

@@ -1,8 +1,10 @@
-"""The MoE families of the installed transformers, found at run time, and tiny models of them.
+"""The MoE families of the installed transformers, found at run time, and tiny models of them (tests only).
 
-Used by the tests, the benchmark and the examples; not part of the public API. Families are found
-by reading (not importing) each ``models/*/modeling_*.py`` for a router class, so the list follows
-whatever transformers is installed.
+Families are found by reading (not importing) each ``models/*/modeling_*.py`` for a router class, so
+the list follows whatever transformers is installed. Each is built with a routing-test profile of
+sizes (8 experts in 4 groups with top-2, every layer MoE, exercising group-limited routing) rather
+than :func:`modelgraft.testing.tiny_config`'s, which has 4 experts in 1 group: that profile, and the
+few fixes some families need under it, are test facts, so they live here.
 
 Example:
     >>> "qwen3_moe" in moe_model_types()

@@ -1,0 +1,197 @@
+"""Plan conversion groups for entries that match keys as transformers 5 does.
+
+Used by :func:`modelgraft.conversion._plan.plan_groups` when an entry holds a converter with
+transformers' semantics (see :mod:`modelgraft.conversion._hf_patterns`). Every checkpoint key is
+renamed as transformers renames it: by each renaming (a converter without operations) in order,
+then by at most one converter. Keys that one converter renames to the same name form one group;
+its targets are the converter's target patterns around the same prefix and suffix. A key that
+only renamings change forms a one-to-one group. Only groups whose every target is a key of the
+model are planned.
+
+Example:
+    >>> import torch
+    >>> from modelgraft.conversion import WeightRenaming
+    >>> from modelgraft.conversion._hf_plan import plan_hf_groups
+    >>> plan = plan_hf_groups([WeightRenaming("^backbone\\\\.", "model.")], ["model.w"], {"backbone.w": torch.Size([2])})
+    >>> [(g.sources, g.targets) for g in plan.groups]
+    [((('backbone.w',),), (('model.w',),))]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+from modelgraft.conversion._groups import Group, Plan
+from modelgraft.conversion._hf_patterns import HFTargetPattern
+from modelgraft.conversion.keys import Pattern as _Pattern
+from modelgraft.conversion.rules import WeightConverter
+from modelgraft.errors import MissingSourceKeyError
+
+__all__ = ["natural_key", "plan_hf_groups", "rename_key"]
+
+
+def natural_key(key: str) -> list[tuple[int, int | str]]:
+    """Sort key that orders ``layers.10`` after ``layers.9`` (transformers' checkpoint order)."""
+    return [(0, int(p)) if p.isdigit() else (1, p) for p in key.split(".")]
+
+
+def _rename_plain(
+    conv: WeightConverter, key: str
+) -> tuple[str, int, int | None, str, str, str | None] | None:
+    """A segment-pattern converter's rename of ``key``: the i-th source becomes the i-th target."""
+    for i, pattern in enumerate(conv._sources):
+        m = pattern.match(key)
+        if m is None:
+            continue
+        target: _Pattern = conv._targets[min(i, len(conv._targets) - 1) if not conv.operations else 0]
+        pre = f"{m.prefix}." if m.prefix else ""
+        suf = f".{m.suffix}" if m.suffix else ""
+        body = target.text if m.index is None else target.text.replace("*", str(m.index))
+        return pre + body + suf, i, m.index, pre, suf, None
+    return None
+
+
+def _rename(conv: WeightConverter, key: str) -> tuple[str, int, int | None, str, str, str | None] | None:
+    if not conv._hf:
+        return _rename_plain(conv, key)
+    pair = not conv.operations and len(conv._targets) == len(conv._sources)
+    found = conv._matcher.rename(key)
+    if found is None:
+        return None
+    if pair and found.source:
+        # A renaming with as many targets as sources pairs them (transformers' GroupWeightRename).
+        found = conv._matcher.rename(key, target=found.source)
+    return found.key, found.source, found.index, found.prefix, found.suffix, found.captured
+
+
+def rename_key(
+    key: str, renamings: Sequence[WeightConverter], converters: Sequence[WeightConverter]
+) -> tuple[str, WeightConverter | None, tuple | None, list[WeightConverter]]:
+    """``key`` after every renaming in turn, then at most one converter.
+
+    Returns the new key, the converter that matched (or ``None``) with its match, and the
+    renamings that fired.
+    """
+    fired = []
+    for renaming in renamings:
+        found = _rename(renaming, key)
+        if found is not None:
+            key = found[0]
+            fired.append(renaming)
+    for conv in converters:
+        found = _rename(conv, key)
+        if found is not None:
+            return found[0], conv, found, fired
+    return key, None, None, fired
+
+
+def _guard_seen(renaming: WeightConverter, keys: Sequence[str]) -> bool:
+    matcher = renaming._matcher
+    for key in keys:
+        scoped = matcher._scope(key)
+        if scoped is not None and matcher.sources[0].search(scoped[1]) is not None:
+            return True
+    return False
+
+
+def _targets_of(conv: WeightConverter, found: tuple, keys: Sequence[str]) -> list[list[str]]:
+    _name, _i, _index, prefix, suffix, captured = found
+    if not conv._hf:  # a segment-pattern converter in an entry with transformers' semantics
+        return [HFTargetPattern(t.text).expand(None, keys, prefix, suffix) for t in conv._targets]
+    return [t.expand(captured, keys, prefix, suffix) for t in conv._targets]
+
+
+def _base_adjust(key: str, base: str | None, model_keys: set[str]) -> str:
+    """As transformers does after renaming: add or strip ``base`` where that names a model key."""
+    if not base or key in model_keys:
+        return key
+    dotted = base + "."
+    if key.startswith(dotted) and key[len(dotted) :] in model_keys:
+        return key[len(dotted) :]
+    if dotted + key in model_keys:
+        return dotted + key
+    return key
+
+
+def _shift(found: tuple, renamed: str, adjusted: str, base: str | None) -> tuple | None:
+    """``found`` with its prefix moved by the base-prefix adjustment of ``renamed`` to ``adjusted``."""
+    if adjusted == renamed:
+        return found
+    _name, i, index, prefix, suffix, captured = found
+    dotted = f"{base}."
+    if adjusted == dotted + renamed:
+        return adjusted, i, index, dotted + prefix, suffix, captured
+    if prefix.startswith(dotted):
+        return adjusted, i, index, prefix[len(dotted) :], suffix, captured
+    return None
+
+
+def plan_hf_groups(
+    converters: Sequence[WeightConverter],
+    target_keys: Iterable[str],
+    source_shapes: Mapping[str, torch.Size],
+    strict_sources: bool = True,
+    base_model_prefix: str | None = None,
+) -> Plan:
+    """Plan the groups of an entry with transformers' semantics (see the module docstring).
+
+    With ``base_model_prefix``, ``source_shapes`` holds checkpoint keys as they are (not yet moved
+    into the model's key space) and, as in transformers, a renamed key gains or loses that prefix
+    where this names one of ``target_keys``.
+    """
+    plan = Plan()
+    targets = list(target_keys)
+    wanted = set(targets)
+    model_keys = set(targets)
+    renamings = [c for c in converters if not c.operations]
+    convs = [c for c in converters if c.operations]
+    # (converter position, renamed key) -> [(source pattern, index, checkpoint key)]
+    collected: dict[tuple[int, str], list[tuple[int, int | None, str]]] = {}
+    matches: dict[tuple[int, str], tuple] = {}
+    keys = sorted(source_shapes, key=natural_key)
+    # A guarded group renaming (transformers' GroupWeightRename) acts only where its first source
+    # pattern is present: a checkpoint already in the new layout is left as it is.
+    renamings = [r for r in renamings if not getattr(r, "guarded", False) or _guard_seen(r, keys)]
+    # As in transformers, every checkpoint key is renamed, also one that names a model key itself.
+    for key in keys:
+        renamed, conv, found, fired = rename_key(key, renamings, convs)
+        adjusted = _base_adjust(renamed, base_model_prefix, model_keys)
+        if conv is not None:
+            found = _shift(found, renamed, adjusted, base_model_prefix)
+            if found is None:
+                continue
+        renamed = adjusted
+        if conv is None:
+            if fired and renamed != key and renamed in wanted:
+                plan.groups.append(
+                    Group(fired[0], ((key,),), ((renamed,),), [[torch.Size(source_shapes[key])]])
+                )
+                wanted.discard(renamed)
+            continue
+        slot = (convs.index(conv), renamed)
+        collected.setdefault(slot, []).append((found[1], found[2], key))
+        matches.setdefault(slot, found)
+    for (position, _renamed), items in collected.items():
+        conv = convs[position]
+        target_groups = _targets_of(conv, matches[(position, _renamed)], targets)
+        if not all(target_groups) or not all(k in wanted for g in target_groups for k in g):
+            continue  # not this converter's layout, or already loaded
+        per_pattern: list[list[tuple[int, str]]] = [[] for _ in conv._sources]
+        for i, index, key in items:
+            per_pattern[i].append((-1 if index is None else index, key))
+        if any(not p for p in per_pattern):
+            if strict_sources:
+                absent = [conv.source_patterns[i] for i, p in enumerate(per_pattern) if not p]
+                raise MissingSourceKeyError(
+                    f"Converter {conv!r} needs a checkpoint key for source pattern `{absent[0]}` to build "
+                    f"`{target_groups[0][0]}`, but the checkpoint holds none. Check the converter's source "
+                    "patterns against the checkpoint's keys."
+                )
+            continue
+        sources = tuple(tuple(k for _, k in sorted(p, key=lambda x: x[0])) for p in per_pattern)
+        shapes = [[torch.Size(source_shapes[k]) for k in ks] for ks in sources]
+        plan.groups.append(Group(conv, sources, tuple(tuple(g) for g in target_groups), shapes))
+        wanted.difference_update(k for g in target_groups for k in g)
+    return plan

@@ -1,0 +1,107 @@
+"""Renamings of transformers' conversion API that have no plain-pattern form.
+
+:class:`PrefixChange` adds or removes a whole leading part of every key; :class:`GroupWeightRename`
+renames several names that shift into each other (``norm0 -> norm1``, ``norm1 -> norm2``) only
+when the checkpoint is in the old layout. Both match keys as transformers 5 does (see
+:mod:`modelgraft.conversion._hf_patterns`) and are undone exactly on save: modelgraft records which
+checkpoint keys a load renamed and writes those names back, so a checkpoint that was already in
+the new layout is saved unchanged.
+
+Example:
+    >>> from modelgraft.conversion._hf_plan import rename_key
+    >>> rename_key("bad.model.w", [PrefixChange(prefix_to_remove="bad")], [])[0]
+    'model.w'
+    >>> rename_key("w", [PrefixChange(prefix_to_add="model")], [])[0]
+    'model.w'
+    >>> rename_key("model.w", [PrefixChange(prefix_to_add="model")], [])[0]
+    'model.w'
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from modelgraft.conversion.rules import WeightRenaming
+from modelgraft.errors import ConversionError
+
+__all__ = ["GroupWeightRename", "PrefixChange"]
+
+
+class PrefixChange(WeightRenaming):
+    """Add ``prefix_to_add`` to, or remove ``prefix_to_remove`` from, every key (after ``model_prefix``).
+
+    A key that already has the prefix to add is left as it is.
+    """
+
+    __slots__ = ("model_prefix", "prefix_to_add", "prefix_to_remove")
+    always_transformers_semantics = True
+
+    def __init__(
+        self,
+        prefix_to_add: str | None = None,
+        prefix_to_remove: str | None = None,
+        model_prefix: str | None = None,
+    ) -> None:
+        if (prefix_to_add is None) == (prefix_to_remove is None):
+            raise ConversionError(
+                "`PrefixChange` needs exactly one of `prefix_to_add` and `prefix_to_remove`; received "
+                f"prefix_to_add={prefix_to_add!r}, prefix_to_remove={prefix_to_remove!r}."
+            )
+        object.__setattr__(self, "prefix_to_add", prefix_to_add)
+        object.__setattr__(self, "prefix_to_remove", prefix_to_remove)
+        object.__setattr__(self, "model_prefix", model_prefix or "")
+        lead = rf"{re.escape(model_prefix)}\." if model_prefix else ""
+        kept = f"{model_prefix}." if model_prefix else ""
+        if prefix_to_add is not None:
+            added = re.escape(prefix_to_add)
+            super().__init__(rf"^{lead}(?!{added}\.)(.+)", rf"{kept}{prefix_to_add}.\1")
+        else:
+            super().__init__(rf"^{lead}{re.escape(prefix_to_remove)}\.(.+)", rf"{kept}\1")
+
+    def __repr__(self) -> str:
+        what = (
+            f"prefix_to_add={self.prefix_to_add!r}"
+            if self.prefix_to_add is not None
+            else f"prefix_to_remove={self.prefix_to_remove!r}"
+        )
+        where = f", model_prefix={self.model_prefix!r}" if self.model_prefix else ""
+        return f"PrefixChange({what}{where})"
+
+    def __reduce__(self) -> tuple:
+        return (
+            _rebuild_prefix_change,
+            (self.prefix_to_add, self.prefix_to_remove, self.model_prefix, self._scope()),
+        )
+
+
+def _rebuild_prefix_change(add, remove, model_prefix, scope) -> PrefixChange:
+    change = PrefixChange(add, remove, model_prefix or None)
+    if scope != (None, None):
+        change.scope_prefix, change.base_model_prefix = scope
+    return change
+
+
+class GroupWeightRename(WeightRenaming):
+    """Rename the ``i``-th source pattern to the ``i``-th target, only if the first source is present.
+
+    The first source pattern is the guard: it names what exists only in the old layout. Without
+    it in the checkpoint (already converted), nothing is renamed. Unlike transformers, the guard
+    need not sort before the other keys.
+    """
+
+    __slots__ = ()
+    always_transformers_semantics = True
+    guarded = True
+
+    def __init__(self, source_patterns: Sequence[str], target_patterns: Sequence[str]) -> None:
+        if (
+            isinstance(source_patterns, str)
+            or isinstance(target_patterns, str)
+            or len(source_patterns) != len(target_patterns)
+        ):
+            raise ConversionError(
+                "`GroupWeightRename` pairs source and target patterns: pass two lists of the same length; "
+                f"received {source_patterns!r} and {target_patterns!r}."
+            )
+        super().__init__(list(source_patterns), list(target_patterns))

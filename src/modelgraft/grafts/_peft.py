@@ -1,0 +1,274 @@
+"""Make PEFT's target choices on a grafted model those it makes on the plain model.
+
+PEFT wraps the fused stand-ins (``q_proj``, ``gate_proj``: ``nn.Linear`` subclasses) and the
+per-expert ``nn.Linear`` layers by itself. Two of its *policies* would still differ from the
+plain model on a grafted one, and this module adjusts exactly those, only for models that hold
+grafted modules (any other model sees PEFT unchanged):
+
+* ``target_modules="all-linear"`` picks every ``nn.Linear``, so both ``q_proj`` and the fused
+  ``qkv_proj``: the fused layers are left out, which leaves the plain model's set of layers.
+* With transformers 5, PEFT rewrites a LoRA config written for per-expert layers
+  (``target_modules=["gate_proj", "up_proj", "down_proj"]``, Mixtral's ``w1``/``w2``/``w3``) to
+  target transformers' fused 3D expert parameters instead, and converts adapter files the same
+  way. A model whose experts were grafted by :func:`~modelgraft.grafts.linear_experts` has
+  per-expert layers again, named as in the checkpoints (and as in transformers 4.57): the
+  expert names stay module targets, and adapter files load without the expert merges
+  (renamings such as Mixtral's ``block_sparse_moe`` -> ``mlp`` still apply; so does the
+  conversion of the router, which stays transformers 5's).
+
+The adjustments are wrappers around four PEFT functions, installed when PEFT's modules are
+imported (a post-import hook that watches those two module names only) or at once when they
+already are, the first time a grafted module is built. Nothing imports PEFT.
+
+Example:
+    >>> ensure_installed()
+    >>> installed()
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.abc
+import importlib.machinery
+import sys
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+from torch import nn
+
+from modelgraft._forksafe import ForkSafeLock
+from modelgraft.errors import ExpertsAdapterError  # defined there with every error; this path kept
+
+__all__ = ["ExpertsAdapterError", "ensure_installed", "installed", "uninstall"]
+
+
+_WRAPPED = "__modelgraft_wrapped__"
+_LOCK = ForkSafeLock()
+_state = {"installed": False}
+
+
+# ---- what a grafted model holds ------------------------------------------------------------------
+def _fused_layer_names(model: nn.Module) -> set[str]:
+    """Full names of the fused layers (``...self_attn.qkv_proj``) of fused stand-ins in ``model``.
+
+    A stand-in (``modelgraft.grafts._fused.FusedSlice``) is recognised by its fusion group, not
+    by its class: that module imports this one, and the import graph stays acyclic.
+    """
+    paths = {id(module): name for name, module in model.named_modules()}
+    found: set[str] = set()
+    for module in model.modules():
+        group = module.__dict__.get("_group")
+        fused_name = getattr(group, "fused_name", None)
+        owner = paths.get(id(getattr(group, "owner", None)))
+        if isinstance(fused_name, str) and owner is not None:
+            found.add(f"{owner}.{fused_name}" if owner else fused_name)
+    return found
+
+
+def _grafted_expert_names(model: nn.Module) -> set[str]:
+    """Layer names of the per-expert layers of grafted experts in ``model`` (empty if none).
+
+    Grafted experts (``linear_experts``) are the ``ModuleList`` classes that name the original
+    experts class they replace and their layers' names.
+    """
+    names: set[str] = set()
+    for module in model.modules():
+        cls = type(module)
+        expert_names = getattr(cls, "_expert_names", None)
+        if isinstance(module, nn.ModuleList) and getattr(cls, "_modelgraft_original", None) and expert_names:
+            names.update(expert_names)
+    return names
+
+
+def _names_target(target: str, names: set[str]) -> bool:
+    return any(target == name or target.endswith(f".{name}") for name in names)
+
+
+# ---- the wrappers --------------------------------------------------------------------------------
+def _all_linear(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _maybe_include_all_linear_layers(peft_config: Any, model: nn.Module) -> Any:
+        was_all_linear = isinstance(getattr(peft_config, "target_modules", None), str)
+        result = original(peft_config, model)
+        targets = getattr(result, "target_modules", None)
+        if was_all_linear and isinstance(targets, set):
+            fused = _fused_layer_names(model)
+            if fused & targets:
+                # The plain model has q_proj, k_proj, v_proj, which the stand-ins provide: adapting
+                # qkv_proj as well would add a second adapter the plain model does not have.
+                result.target_modules = targets - fused
+        return result
+
+    return _maybe_include_all_linear_layers
+
+
+def _moe_config(original: Callable[..., Any], module: ModuleType) -> Callable[..., Any]:
+    def _convert_peft_config_moe(peft_config: Any, model: nn.Module) -> Any:
+        names = _grafted_expert_names(model)
+        if not names:
+            return original(peft_config, model)
+        _refuse_missing_parameters(peft_config, model, names)
+        targets = peft_config.target_modules
+        if isinstance(targets, str):
+            # A regex or "all-linear" matches the per-expert layers as modules; of the rewrite keep
+            # only the targets that are not expert layers here (the router's weight).
+            probe = copy.deepcopy(peft_config)
+            original(probe, model)
+            before = set(peft_config.target_parameters or ())
+            added = (
+                set(probe.target_parameters or ()) - before - _fused_expert_parameters(module, model, names)
+            )
+            if added:
+                peft_config.target_parameters = before | added
+            return None
+        protected = {t for t in targets or () if _names_target(t, names)}
+        peft_config.target_modules = set(targets or ()) - protected
+        try:
+            return original(peft_config, model)
+        finally:
+            peft_config.target_modules = set(peft_config.target_modules or ()) | protected
+
+    return _convert_peft_config_moe
+
+
+def _refuse_missing_parameters(peft_config: Any, model: nn.Module, names: set[str]) -> None:
+    """Refuse ``target_parameters`` the grafted model lacks: an adapter of the fused 3D experts.
+
+    PEFT would otherwise stop with "no target modules" or, with other targets beside, load the
+    adapter without its expert part.
+    """
+    targets = peft_config.target_parameters or ()
+    if isinstance(targets, str):
+        targets = (targets,)
+    parameters = [name for name, _ in model.named_parameters()]
+    missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in parameters)]
+    if missing:
+        layers = "/".join(sorted(names))
+        raise ExpertsAdapterError(
+            f"The adapter targets the parameters {missing}, which the model does not have: they are the fused "
+            f"3D experts of transformers 5, and the `linear_experts` graft replaced them by per-expert "
+            f"`nn.Linear` layers (`experts.<i>.{layers}`). An adapter of the fused experts cannot be "
+            "split per expert exactly here. Load it on the model without the graft, or train the adapter on "
+            f"the grafted model with `target_modules={sorted(names)}`."
+        )
+
+
+def _fused_expert_parameters(module: ModuleType, model: nn.Module, names: set[str]) -> set[str]:
+    """What PEFT's rewrite maps the expert layer names to (``gate_up_proj``, ``down_proj``)."""
+    pattern = getattr(module, "_MODEL_TO_CONVERSION_PATTERN", {}).get(
+        getattr(model.config, "model_type", None)
+    )
+    mapping = getattr(module, "_MOE_TARGET_MODULE_MAPPING", {}).get(pattern, {})
+    return {target for name, target in mapping.items() if name in names}
+
+
+def _conversion_mapping(original: Callable[..., Any]) -> Callable[..., Any]:
+    def get_model_conversion_mapping(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        conversions = original(model, *args, **kwargs)
+        if not conversions or not _grafted_expert_names(model):
+            return conversions
+        # The grafted experts are per-expert layers: adapter keys for them load as they are.
+        return [c for c in conversions if not _merges_experts(c)]
+
+    return get_model_conversion_mapping
+
+
+def _merges_experts(conversion: Any) -> bool:
+    return any(type(op).__name__ == "MergeModulelist" for op in getattr(conversion, "operations", ()))
+
+
+_PATCHES: dict[str, tuple[tuple[str, Callable[..., Callable[..., Any]]], ...]] = {
+    "peft.tuners.tuners_utils": (("_maybe_include_all_linear_layers", lambda f, m: _all_linear(f)),),
+    "peft.utils.transformers_weight_conversion": (
+        ("_convert_peft_config_moe", _moe_config),
+        ("get_model_conversion_mapping", lambda f, m: _conversion_mapping(f)),
+    ),
+}
+
+
+def _patch(module: ModuleType) -> None:
+    for attribute, wrap in _PATCHES.get(module.__name__, ()):
+        found = getattr(module, attribute, None)
+        if found is None or getattr(found, _WRAPPED, None) is not None:
+            continue  # a PEFT without it (nothing to adjust), or already wrapped
+        wrapper = wrap(found, module)
+        setattr(wrapper, _WRAPPED, found)
+        setattr(module, attribute, wrapper)
+
+
+def _unpatch(module: ModuleType) -> None:
+    for attribute, _ in _PATCHES.get(module.__name__, ()):
+        found = getattr(module, attribute, None)
+        original = getattr(found, _WRAPPED, None)
+        if original is not None:
+            setattr(module, attribute, original)
+
+
+# ---- the post-import hook ------------------------------------------------------------------------
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs the real loader, then wraps the functions of the freshly executed module."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        _patch(module)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: hands the watched PEFT modules to the next finder, with our loader."""
+
+    def find_spec(
+        self, fullname: str, path: Any, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in _PATCHES:
+            return None
+        for finder in _other_finders():
+            spec = finder.find_spec(fullname, path, target)  # type: ignore[attr-defined]
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+def _other_finders() -> Iterator[Any]:
+    return (f for f in list(sys.meta_path) if not isinstance(f, _Finder) and hasattr(f, "find_spec"))
+
+
+_FINDER = _Finder()
+
+
+def ensure_installed() -> None:
+    """Wrap PEFT's functions now if PEFT is imported, else when it is (idempotent, cheap)."""
+    if _state["installed"]:
+        return
+    with _LOCK:
+        for name in _PATCHES:
+            module = sys.modules.get(name)
+            if module is not None:
+                _patch(module)
+        if not any(isinstance(f, _Finder) for f in sys.meta_path):
+            sys.meta_path.insert(0, _FINDER)
+        _state["installed"] = True
+
+
+def installed() -> bool:
+    """Whether the hook is in place."""
+    return _state["installed"]
+
+
+def uninstall() -> None:
+    """Remove the hook and restore PEFT's functions (for tests)."""
+    with _LOCK:
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Finder)]
+        for name in _PATCHES:
+            module = sys.modules.get(name)
+            if module is not None:
+                _unpatch(module)
+        _state["installed"] = False

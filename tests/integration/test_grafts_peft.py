@@ -1,0 +1,279 @@
+"""PEFT (LoRA) on grafted models behaves as on the plain model.
+
+A LoRA config or adapter written for the plain model works on a ``fused_qkv``/``fused_gate_up``
+model with the plain model's outputs; an adapter trained on a grafted model saves under the plain
+model's names and loads on the plain model with the same outputs; merging writes the adapter into
+the fused layer, and the merged grafted model saves the plain model's merged checkpoint. LoRA on
+``linear_experts`` experts wraps each expert's layers, merges and saves.
+
+Every comparison is against the plain model on shapes, dtypes, finiteness and fp32 values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from _versions import TRANSFORMERS_VERSION, requires_fused_experts
+from families import family
+from modelgraft.grafts import (
+    ExpertsAdapterError,
+    FusionError,
+    Graft,
+    fused_gate_up,
+    fused_qkv,
+    linear_experts,
+)
+
+peft = pytest.importorskip("peft", reason=f"peft is not installed (transformers {TRANSFORMERS_VERSION})")
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+
+ATOL = 1e-5
+FUSED = {
+    "fused_qkv": (fused_qkv, ["q_proj", "v_proj"]),
+    "fused_gate_up": (fused_gate_up, ["gate_proj", "up_proj"]),
+    "both": (
+        lambda t: fused_qkv(t) + fused_gate_up(t),
+        ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"],
+    ),
+}
+FUSED_FAMILIES = ("llama", "qwen2")  # qwen2: q/k/v biases
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    made: dict[str, Path] = {}
+
+    def make(model_type: str) -> Path:
+        if model_type not in made:
+            torch.manual_seed(0)
+            path = tmp_path_factory.mktemp(f"peft-{model_type}")
+            family(model_type).causal_lm().save_pretrained(path)
+            made[model_type] = path
+        return made[model_type]
+
+    return make
+
+
+def _load(path: Path, graft: Graft | None = None) -> torch.nn.Module:
+    if graft is None:
+        return AutoModelForCausalLM.from_pretrained(path).eval()
+    with graft.applied(strict=True):
+        return AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def _logits(model: torch.nn.Module, model_type: str) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**family(model_type).inputs(model.config)).logits
+
+
+def _same(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    assert torch.isfinite(got).all() and torch.isfinite(expected).all()
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+def _randomize_lora(model: torch.nn.Module, seed: int = 1) -> None:
+    """Non-zero LoRA weights (``lora_B`` starts at zero, which would hide a dropped adapter)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+
+
+def _lora(targets: list[str] | str) -> LoraConfig:
+    return LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
+
+
+def _adapter_keys(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(path / "adapter_model.safetensors")
+
+
+@pytest.mark.parametrize("model_type", FUSED_FAMILIES)
+@pytest.mark.parametrize("graft_name", list(FUSED))
+def test_adapter_saved_from_the_plain_model_loads_on_the_grafted_one_with_equal_outputs(
+    graft_name: str, model_type: str, checkpoint, tmp_path: Path
+) -> None:
+    make_graft, targets = FUSED[graft_name]
+    path = checkpoint(model_type)
+    plain = get_peft_model(_load(path), _lora(targets))
+    _randomize_lora(plain)
+    plain.save_pretrained(tmp_path)
+    expected = _logits(plain, model_type)
+    assert not torch.allclose(expected, _logits(_load(path), model_type), atol=1e-3), (
+        "the adapter changes nothing"
+    )
+
+    grafted = PeftModel.from_pretrained(_load(path, make_graft(model_type)), tmp_path).eval()
+    assert any("qkv_proj" in n or "gate_up_proj" in n for n, _ in grafted.named_parameters())
+    _same(_logits(grafted, model_type), expected)
+    # and a config written for the plain model, with the plain model's adapter weights
+    fresh = get_peft_model(_load(path, make_graft(model_type)), _lora(targets))
+    state = {n: p for n, p in plain.named_parameters() if "lora_" in n}
+    assert sorted(n for n, _ in fresh.named_parameters() if "lora_" in n) == sorted(state)
+    with torch.no_grad():
+        for name, param in fresh.named_parameters():
+            if "lora_" in name:
+                param.copy_(state[name])
+    _same(_logits(fresh, model_type), expected)
+
+
+@pytest.mark.parametrize("model_type", FUSED_FAMILIES)
+@pytest.mark.parametrize("graft_name", list(FUSED))
+def test_adapter_trained_on_the_grafted_model_saves_plain_names_and_loads_on_the_plain_model(
+    graft_name: str, model_type: str, checkpoint, tmp_path: Path
+) -> None:
+    make_graft, targets = FUSED[graft_name]
+    path = checkpoint(model_type)
+    grafted = get_peft_model(_load(path, make_graft(model_type)), _lora(targets))
+    _train_step(grafted, model_type)
+    grafted.eval()
+    grafted.save_pretrained(tmp_path / "grafted")
+    get_peft_model(_load(path), _lora(targets)).save_pretrained(tmp_path / "plain")
+    saved = _adapter_keys(tmp_path / "grafted")
+    assert sorted(saved) == sorted(_adapter_keys(tmp_path / "plain"))
+    assert not any("qkv_proj" in k or "gate_up_proj" in k for k in saved)
+
+    plain = PeftModel.from_pretrained(_load(path), tmp_path / "grafted").eval()
+    _same(_logits(plain, model_type), _logits(grafted, model_type))
+
+
+def _train_step(model: torch.nn.Module, model_type: str) -> None:
+    """One SGD step on the LoRA weights (``init_lora_weights=False`` makes them non-zero already)."""
+    model.train()
+    inputs = family(model_type).inputs(model.config)
+    loss = model(**inputs, labels=inputs["input_ids"]).loss
+    loss.backward()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert trained and all(p.grad is not None and torch.isfinite(p.grad).all() for p in trained)
+    assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    with torch.no_grad():
+        for p in trained:
+            p -= 0.1 * p.grad
+
+
+@pytest.mark.parametrize("model_type", FUSED_FAMILIES)
+def test_all_linear_targets_the_plain_models_layers(model_type: str, checkpoint, tmp_path: Path) -> None:
+    path = checkpoint(model_type)
+    graft = fused_qkv(model_type) + fused_gate_up(model_type)
+    grafted = get_peft_model(_load(path, graft), _lora("all-linear"))
+    plain = get_peft_model(_load(path), _lora("all-linear"))
+    assert sorted(grafted.peft_config["default"].target_modules) == sorted(
+        plain.peft_config["default"].target_modules
+    )
+    lora = sorted(n for n, _ in grafted.named_parameters() if "lora_" in n)
+    assert lora == sorted(n for n, _ in plain.named_parameters() if "lora_" in n)
+    grafted.save_pretrained(tmp_path)
+    reloaded = PeftModel.from_pretrained(_load(path), tmp_path).eval()
+    _same(_logits(reloaded, model_type), _logits(grafted.eval(), model_type))
+
+
+@pytest.mark.parametrize("model_type", FUSED_FAMILIES)
+def test_merge_and_unload_writes_into_the_fused_layer_and_saves_the_plain_merged_checkpoint(
+    model_type: str, checkpoint, tmp_path: Path
+) -> None:
+    path = checkpoint(model_type)
+    graft = fused_qkv(model_type) + fused_gate_up(model_type)
+    targets = FUSED["both"][1]
+    plain = get_peft_model(_load(path), _lora(targets))
+    _randomize_lora(plain)
+    plain.save_pretrained(tmp_path / "adapter")
+    grafted = PeftModel.from_pretrained(_load(path, graft), tmp_path / "adapter").eval()
+    expected = _logits(plain, model_type)
+
+    merged = grafted.merge_and_unload()
+    assert not any("lora_" in n for n, _ in merged.named_parameters())
+    assert any(n.endswith("qkv_proj.weight") for n, _ in merged.named_parameters())
+    _same(_logits(merged, model_type), expected)
+    plain_merged = plain.merge_and_unload()
+    merged.save_pretrained(tmp_path / "grafted")
+    plain_merged.save_pretrained(tmp_path / "plain")
+    saved, reference = (
+        load_file(tmp_path / "grafted/model.safetensors"),
+        load_file(tmp_path / "plain/model.safetensors"),
+    )
+    assert sorted(saved) == sorted(reference)
+    for key, tensor in reference.items():
+        torch.testing.assert_close(saved[key], tensor, atol=1e-6, rtol=0, msg=key)
+    _same(_logits(_load(tmp_path / "grafted"), model_type), expected)
+
+
+def test_an_adapter_on_the_fused_layer_itself_is_refused(checkpoint) -> None:
+    path = checkpoint("llama")
+    model = get_peft_model(_load(path, fused_qkv("llama")), _lora(["qkv_proj"]))
+    with pytest.raises(
+        FusionError, match=r"`FusedQKVLlamaAttention.qkv_proj` is wrapped by the PEFT module .*q_proj"
+    ):
+        _logits(model, "llama")
+
+
+def test_modules_to_save_on_a_fused_part_is_refused(checkpoint) -> None:
+    path = checkpoint("llama")
+    config = LoraConfig(r=4, target_modules=["o_proj"], modules_to_save=["q_proj"])
+    with pytest.raises(
+        FusionError, match=r"`FusedQKVLlamaAttention.q_proj` is a slice of the fused `qkv_proj`"
+    ):
+        get_peft_model(_load(path, fused_qkv("llama")), config)
+
+
+EXPERT_FAMILIES = ("qwen3_moe", "mixtral")
+
+
+@requires_fused_experts
+@pytest.mark.parametrize("model_type", EXPERT_FAMILIES)
+def test_lora_on_linear_experts_wraps_each_expert_merges_and_saves(
+    model_type: str, checkpoint, tmp_path: Path
+) -> None:
+    path = checkpoint(model_type)
+    graft = linear_experts(model_type)
+    names = next(iter(graft.mapping.values()))._expert_names
+    base = _load(path, graft)
+    before = _logits(base, model_type)
+    model = get_peft_model(base, _lora(list(names)))
+    wrapped = {
+        n.rsplit(".", 1)[-1]
+        for n, m in model.named_modules()
+        if n.endswith(tuple(f".experts.0.{x}" for x in names))
+    }
+    assert wrapped == set(names)
+    assert all(
+        type(m).__module__.startswith("peft.")
+        for n, m in model.named_modules()
+        if n.endswith(tuple(f".experts.0.{x}" for x in names))
+    )
+    _randomize_lora(model)
+    adapted = _logits(model, model_type)
+    assert torch.isfinite(adapted).all() and not torch.allclose(adapted, before, atol=1e-3)
+    model.save_pretrained(tmp_path / "adapter")
+    assert any(".experts.0." in k for k in _adapter_keys(tmp_path / "adapter"))
+    reloaded = PeftModel.from_pretrained(_load(path, graft), tmp_path / "adapter").eval()
+    _same(_logits(reloaded, model_type), adapted)
+
+    merged = model.merge_and_unload()
+    _same(_logits(merged, model_type), adapted)
+    merged.save_pretrained(tmp_path / "merged")
+    _same(_logits(_load(tmp_path / "merged"), model_type), adapted)
+
+
+@requires_fused_experts
+def test_an_adapter_of_the_plain_fused_experts_is_refused_on_linear_experts(
+    checkpoint, tmp_path: Path
+) -> None:
+    path = checkpoint("qwen3_moe")
+    config = _lora(["gate_proj", "up_proj", "down_proj"])
+    get_peft_model(_load(path), config).save_pretrained(tmp_path)  # PEFT targets the 3D parameters here
+    grafted = _load(path, linear_experts("qwen3_moe"))
+    before = _logits(grafted, "qwen3_moe")
+    with pytest.raises(
+        ExpertsAdapterError, match=r"targets the parameters .*gate_up_proj.*`linear_experts` graft"
+    ):
+        PeftModel.from_pretrained(grafted, tmp_path)
+    assert not any(type(m).__module__.startswith("peft.") for m in grafted.modules())  # left as it was
+    _same(_logits(grafted, "qwen3_moe"), before)
+    assert isinstance(ExpertsAdapterError("x"), ValueError)
