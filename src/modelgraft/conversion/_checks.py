@@ -42,7 +42,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -58,6 +58,9 @@ from modelgraft.conversion.ops import (
     Transpose,
 )
 from modelgraft.errors import ConversionShapeError
+
+if TYPE_CHECKING:  # only named in annotations
+    from modelgraft.conversion._hf_patterns import HFPattern
 
 __all__ = ["Expected", "check_sources", "expected_sources", "shapes_text"]
 
@@ -279,7 +282,7 @@ def _dtype_check(
                 )
 
 
-def _matched(pattern: Pattern, key: str) -> PatternMatch:
+def _matched(pattern: Pattern | HFPattern, key: str) -> PatternMatch:
     """The match of a key the plan already paired with ``pattern`` (so it always matches)."""
     found = pattern.match(key)
     assert found is not None, (pattern.text, key)

@@ -27,12 +27,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelgraft import _compat, registry
 from modelgraft.conversion.keys import Pattern, as_patterns
 from modelgraft.conversion.ops import ConversionOperation
 from modelgraft.errors import ConversionError
+
+if TYPE_CHECKING:  # imported where used at run time: _hf_patterns builds on this module's patterns
+    from modelgraft.conversion._hf_patterns import HFPattern, HFTargetPattern, TransformMatcher
 
 __all__ = [
     "WeightConverter",
@@ -89,8 +92,13 @@ class WeightConverter:
     source_patterns: tuple[str, ...]
     target_patterns: tuple[str, ...]
     operations: tuple[ConversionOperation, ...]
-    _sources: tuple[Pattern, ...]
-    _targets: tuple[Pattern, ...]
+    scope_prefix: str | None
+    base_model_prefix: str | None
+    # Segment patterns, or (with transformers' semantics, ``_hf``) the matcher's compiled patterns.
+    _hf: bool
+    _matcher: TransformMatcher | None
+    _sources: tuple[Pattern | HFPattern, ...]
+    _targets: tuple[Pattern | HFTargetPattern, ...]
 
     def __init__(
         self,
@@ -134,16 +142,18 @@ class WeightConverter:
                 f"A converter without operations renames one to one, but `{list(sources)}` -> "
                 f"`{list(targets)}` differ in length. Add operations (e.g. `Concatenate(dim=0)`)."
             )
+        matcher: TransformMatcher | None
+        compiled: tuple[tuple[Pattern | HFPattern, ...], tuple[Pattern | HFTargetPattern, ...]]
         if hf:
             matcher = TransformMatcher(sources, targets, self.scope_prefix, self.base_model_prefix)
-            pair = (matcher.sources, matcher.targets)
+            compiled = (matcher.sources, matcher.targets)
         else:
             matcher = None
-            pair = (tuple(Pattern(p) for p in sources), tuple(Pattern(p) for p in targets))
+            compiled = (tuple(Pattern(p) for p in sources), tuple(Pattern(p) for p in targets))
         object.__setattr__(self, "_hf", hf)
         object.__setattr__(self, "_matcher", matcher)
-        object.__setattr__(self, "_sources", pair[0])
-        object.__setattr__(self, "_targets", pair[1])
+        object.__setattr__(self, "_sources", compiled[0])
+        object.__setattr__(self, "_targets", compiled[1])
 
     def __setattr__(self, name: str, value: object) -> None:
         if name in ("scope_prefix", "base_model_prefix"):
