@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import threading
 from dataclasses import dataclass
-from typing import TypeGuard, cast
+from typing import Any, TypeGuard, cast
 
 import torch
 from torch import nn
@@ -147,7 +147,8 @@ class _FusionGroup:
             )
 
     def part_module(self, index: int) -> nn.Module | None:
-        return self.__dict__.get("_parts", {}).get(index)
+        part: nn.Module | None = self.__dict__.get("_parts", {}).get(index)
+        return part
 
     def _traced_part(self, fused: nn.Module, x: torch.Tensor, index: int) -> torch.Tensor:
         # Under torch.compile the identity of ``x`` is known while tracing, but version counters
@@ -250,11 +251,14 @@ class _PartWeight(torch.Tensor):
     """
 
     # Results of operations on it are plain tensors: only this object writes through.
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's stubs differ
 
     @property
-    def data(self) -> torch.Tensor:  # type: ignore[override]
-        return torch._C.TensorBase.data.__get__(self)
+    def data(self) -> torch.Tensor:
+        # The stubs type `TensorBase.data` as a tensor; on the class it is the C getter (a descriptor).
+        getter = cast(Any, torch._C.TensorBase.data)
+        plain: torch.Tensor = getter.__get__(self)
+        return plain
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
@@ -328,15 +332,15 @@ class FusedSlice(nn.Linear):
         return slice(start, start + self._group.sizes[self._index])
 
     @property
-    def weight(self) -> torch.Tensor:  # type: ignore[override]
+    def weight(self) -> torch.Tensor:
         return _part_view(cast(torch.Tensor, self._group.fused().weight), self._span())
 
     @weight.setter
     def weight(self, value: torch.Tensor) -> None:
         self._refuse_assignment("weight", value, self.weight)
 
-    @property
-    def bias(self) -> torch.Tensor | None:  # type: ignore[override]
+    @property  # type: ignore[override]  # a part's bias is a view of the fused bias, not a Parameter
+    def bias(self) -> torch.Tensor | None:
         bias = getattr(self._group.fused(), "bias", None)
         return None if bias is None else _part_view(bias, self._span())
 

@@ -179,7 +179,8 @@ def grouped_linear_forward(
     weight = layers[0][0].weight
     tokens = hidden_states[perm[:rows] // top_k].to(weight.dtype)
     # (E, 2I, H): gate rows then up rows of each expert, the fused layout, in one copy.
-    gate_up = torch.stack([w.weight for g, u, _ in layers for w in (g, u)]).unflatten(0, (num_experts, 2))
+    stacked = torch.stack([w.weight for g, u, _ in layers for w in (g, u)])
+    gate_up = stacked.unflatten(0, (num_experts, 2))  # type: ignore[no-untyped-call]  # untyped in torch
     gate_up = gate_up.flatten(1, 2)
     down = torch.stack([d.weight for _, _, d in layers])
     try:

@@ -229,7 +229,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         if fullname not in _PATCHES:
             return None
         for finder in _other_finders():
-            spec = finder.find_spec(fullname, path, target)  # type: ignore[attr-defined]
+            spec: importlib.machinery.ModuleSpec | None = finder.find_spec(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
                     spec.loader = _PatchingLoader(spec.loader)

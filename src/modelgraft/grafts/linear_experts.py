@@ -181,15 +181,18 @@ class _LinearExpertsBase(nn.ModuleList):
             )
         layers = self._plain_layers()
         if layers is not None:
+            first = self[0]
+            assert isinstance(first, LinearExpert)  # _plain_layers checked every expert's type
             out = _grouped.grouped_linear_forward(
-                layers, self[0].act_fn, hidden_states, top_k_index, top_k_weights
+                layers, first.act_fn, hidden_states, top_k_index, top_k_weights
             )
             if out is not None:
                 return out
         return _grouped.sorted_forward(self._run, self.num_experts, hidden_states, top_k_index, top_k_weights)
 
     def _run(self, expert_id: int, tokens: torch.Tensor) -> torch.Tensor:
-        return self[expert_id](tokens)
+        out: torch.Tensor = self[expert_id](tokens)
+        return out
 
     def _plain_layers(self) -> list[tuple[nn.Linear, nn.Linear, nn.Linear]] | None:
         """Each expert's (gate, up, down) when all are untouched ``nn.Linear`` layers, else ``None``.
