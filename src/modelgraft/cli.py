@@ -215,8 +215,9 @@ def _load_graft(ref: str, model_type: str | None = None) -> Graft:
         return obj
     if isinstance(obj, dict):
         return Graft(obj)
-    if isinstance(getattr(obj, "mapping", None), dict):  # a graft-like object of another library
-        return Graft(obj.mapping, getattr(obj, "conversions", None))
+    mapping = getattr(obj, "mapping", None)
+    if isinstance(mapping, dict):  # a graft-like object of another library
+        return Graft(mapping, getattr(obj, "conversions", None))
     raise TargetError(
         f"`{ref}` is a `{type(obj).__name__}`; expected a `modelgraft.Graft` (mapping and conversions), "
         "a function returning one, or a mapping dict of key -> nn.Module subclass."

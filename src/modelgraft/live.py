@@ -204,7 +204,8 @@ def _plan_root(model: torch.nn.Module, snap: Snapshot) -> _Root | None:
             f"cannot become one. Derive the replacement from `{original.__name__}`, or anchor the key so that "
             "it does not match the model's class. The model was left unchanged."
         )
-    for cls in (replacement, current):
+    classes: tuple[type[torch.nn.Module], ...] = (replacement, current)
+    for cls in classes:
         if cls.__init__ is not original.__init__ or cls.__basicsize__ != original.__basicsize__:
             raise GraftStateError(
                 f"Patch key `{key}` matches the model's own class `{original.__name__}`, and `{cls.__qualname__}` "
