@@ -27,8 +27,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import conversion_mapping as _tcm
-from transformers import core_model_loading as _tcore
+
+# This module is 5.x only; on 4.57 (where it is never imported) mypy still checks it, so the
+# version-specific ignores below carry `unused-ignore` to type-check on both lines.
+from transformers import conversion_mapping as _tcm  # type: ignore[attr-defined, unused-ignore]
+from transformers import core_model_loading as _tcore  # type: ignore[attr-defined, unused-ignore]
 
 from modelgraft._compat.engine import ConversionEngine
 from modelgraft._compat.wraps import WrapGroup
@@ -46,12 +49,12 @@ _wrappers = WrapGroup("conversion")
 
 def builtin_conversion_exists(key: str) -> bool:
     """Whether the installed transformers has its own conversion entry for ``key``."""
-    return _tcm.get_checkpoint_conversion_mapping(key) is not None  # type: ignore[no-untyped-call]
+    return _tcm.get_checkpoint_conversion_mapping(key) is not None  # type: ignore[no-untyped-call, unused-ignore]
 
 
 def builtin_checkpoint_conversions(model_type: str) -> list[Any]:
     """transformers' own conversion entries for ``model_type``."""
-    return list(_tcm.get_checkpoint_conversion_mapping(model_type) or [])  # type: ignore[no-untyped-call]
+    return list(_tcm.get_checkpoint_conversion_mapping(model_type) or [])  # type: ignore[no-untyped-call, unused-ignore]
 
 
 def _signature(transform: Any) -> tuple[Any, ...]:
@@ -137,7 +140,9 @@ def _wrap_load_pretrained_model(engine: ConversionEngine) -> Any:
                 def offload(key: str, tensor: torch.Tensor) -> None:
                     # Converted weights have no range in the checkpoint to point at: written out, as
                     # transformers does for its own converted weights, and read back when used.
-                    from transformers.integrations.accelerate import offload_weight  # only when offloading
+                    from transformers.integrations.accelerate import (  # type: ignore[attr-defined, unused-ignore]
+                        offload_weight,  # only when offloading; 5.x only
+                    )
 
                     offload_weight(tensor, key, getattr(load_config, "disk_offload_folder", None), offloaded)
 

@@ -213,8 +213,10 @@ def defines_layout_moe(source: str) -> bool:
 
 def meta_device() -> AbstractContextManager[Any]:
     """See :func:`modelgraft._compat.meta_device`."""
-    # 4.x only; the 5.x line this is type-checked against no longer has it
-    from transformers.integrations.accelerate import init_empty_weights  # type: ignore[attr-defined]
+    # 4.x only; the 5.x line no longer has it (`unused-ignore`: type-checked on both lines)
+    from transformers.integrations.accelerate import (  # type: ignore[attr-defined, unused-ignore]
+        init_empty_weights,
+    )
 
     # Parameters only: with buffers included it enters `torch.device("meta")` as well, and a
     # buffer read while constructing (xIELU's `.item()`) would fail again. Buffers are small.
