@@ -298,7 +298,7 @@ def test_a_pattern_is_matched_once_per_class_name(monkeypatch: pytest.MonkeyPatc
 
 # ---- issue 10, point 11: patched() blocks exited out of order -----------------------------------
 def test_patched_blocks_exited_out_of_order_each_remove_only_their_own_layer() -> None:
-    from modelgraft.conversion import WeightRenaming, get_checkpoint_conversion_mapping
+    from modelgraft import WeightRenaming, get_checkpoint_conversion_mapping
 
     register_patch_mapping({"LlamaMLP": A})
     outer = patched(
