@@ -28,6 +28,7 @@ test-compat:
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/mypy  # strict on src/modelgraft; see [tool.mypy] in pyproject.toml
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix src tests benchmarks examples

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
@@ -171,13 +172,13 @@ def build_tiny(model_type: str, seed: int = 0, **overrides: Any) -> nn.Module:
     return build().eval()
 
 
-def _builder(config: Any) -> Any:
+def _builder(config: Any) -> Callable[[], nn.Module]:
     from transformers import AutoModel, AutoModelForCausalLM
 
     for kind, auto in (("causal_lm", AutoModelForCausalLM), ("base", AutoModel)):
         if _compat.auto_model_class(kind, config) is None:
             continue
-        return lambda: auto.from_config(config)
+        return lambda: auto.from_config(config)  # type: ignore[no-untyped-call]
     cls = _model_class(config)
     return lambda: cls(config)
 

@@ -1,7 +1,13 @@
 """modelgraft: swap the building blocks of Hugging Face transformers models at load time.
 
 Importing modelgraft installs its load hooks into transformers (idempotent; see
-``modelgraft.hooks``). The public API is exactly ``__all__``; every other module is private.
+``modelgraft.hooks``).
+
+The public API is four namespaces, each exactly its ``__all__``: ``modelgraft`` (this module),
+``modelgraft.grafts`` (ready-made grafts), ``modelgraft.moe`` (MoE routing record/replay) and
+``modelgraft.testing`` (tiny configs for tests). docs/api.md lists every name, and a test keeps the
+two equal. Every other module, and every name outside those ``__all__`` lists, is private and may
+change without notice. Every error modelgraft raises is exported here.
 """
 
 from __future__ import annotations
@@ -39,14 +45,26 @@ from modelgraft.conversion.builtin_rules import GroupWeightRename, PrefixChange
 from modelgraft.errors import (
     ConversionError,
     ConversionShapeError,
+    DoubleBackwardError,
+    ExpertsAdapterError,
+    ExpertsImplementationError,
+    FusionError,
+    GraftConflictError,
     GraftError,
+    GraftStateError,
     IrreversibleConversionError,
+    LossInputError,
     MissingSourceKeyError,
     PatchRegistrationError,
     ReplacementTypeError,
     RoutingError,
     StrictModeError,
+    TargetError,
+    UnknownModelTypeError,
+    UnsafePatternError,
+    UnsupportedFamilyError,
     UnsupportedTransformersError,
+    VerifyArgumentError,
 )
 from modelgraft.graft import Graft, register_graft, unregister_graft
 from modelgraft.hooks import apply_patches, patched, unpatched
@@ -75,13 +93,20 @@ __all__ = [
     "ConversionOperation",
     "ConversionOps",
     "ConversionShapeError",
+    "DoubleBackwardError",
     "ErnieFuseAndSplitTextVisionExperts",
+    "ExpertsAdapterError",
+    "ExpertsImplementationError",
+    "FusionError",
     "Graft",
+    "GraftConflictError",
     "GraftError",
     "GraftReport",
+    "GraftStateError",
     "GroupWeightRename",
     "IrreversibleConversionError",
     "LinearToConv3d",
+    "LossInputError",
     "MergeModulelist",
     "MissingSourceKeyError",
     "PatchRegistrationError",
@@ -91,8 +116,13 @@ __all__ = [
     "RoutingError",
     "SplitModulelist",
     "StrictModeError",
+    "TargetError",
     "Transpose",
+    "UnknownModelTypeError",
+    "UnsafePatternError",
+    "UnsupportedFamilyError",
     "UnsupportedTransformersError",
+    "VerifyArgumentError",
     "VerifyReport",
     "VisionFuseAndPermuteForRope",
     "VisionUnfuseAndPermuteForRope",

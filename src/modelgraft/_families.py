@@ -430,7 +430,7 @@ def tiny_overrides(model_type: str) -> dict[str, Any]:
         default = default if default is not None else config_class()
         sub = getattr(default, name, None)
         sub_type = getattr(sub, "model_type", None)
-        if sub_type in CONFIG_MAPPING:
+        if isinstance(sub_type, str) and sub_type in CONFIG_MAPPING:
             kwargs[name] = {"model_type": sub_type, **tiny_overrides(sub_type)}
     kwargs.update(_special_tokens(config_class, fields, kwargs))
     return kwargs

@@ -31,7 +31,7 @@ __all__ = ["get_model_conversion_mapping", "rename_source_key", "revert_weight_c
 
 def _scoped_copy(conv: WeightConverter, scope: str, base: str | None) -> WeightConverter:
     rebuild, args = conv.__reduce__()
-    copy = rebuild(*args)
+    copy: WeightConverter = rebuild(*args)
     copy.scope_prefix = scope
     copy.base_model_prefix = base
     return copy

@@ -388,7 +388,7 @@ def move_hooks(moves: Iterable[HookMove]) -> None:
     for move in moves:
         extras = dict({**_CALL_HOOKS, **_STATE_HOOKS})[move.table][1]
         for table in (move.table, *extras):
-            theirs: OrderedDict = getattr(move.source, table)
+            theirs: OrderedDict[int, Any] = getattr(move.source, table)
             own = list(getattr(move.target, table).items())
             object.__setattr__(move.source, table, OrderedDict(theirs))
             user = [(hid, theirs[hid]) for hid in move.keep if hid in theirs]

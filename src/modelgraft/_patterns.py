@@ -33,13 +33,16 @@ Example:
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-try:  # Python >= 3.11
-    from re import _parser
-except ImportError:  # pragma: no cover - Python 3.10
-    import sre_parse as _parser  # type: ignore[no-redef]
+from modelgraft.errors import UnsafePatternError
+
+if sys.version_info >= (3, 11):
+    from re import _parser  # type: ignore[attr-defined]  # private, so absent from typeshed
+else:  # pragma: no cover - Python 3.10
+    import sre_parse as _parser
 
 __all__ = ["Matcher", "UnsafePatternError", "backtracking_problem", "matcher"]
 
@@ -65,16 +68,12 @@ _CATEGORIES = {
 _MATCHERS_MAX = 4096  # distinct pattern strings kept compiled (with their per-class-name results)
 
 
-class UnsafePatternError(ValueError):
-    """A pattern can backtrack catastrophically (the message says which shape)."""
-
-
 def _name(op: Any) -> str:
     return getattr(op, "name", str(op))
 
 
 def _unbounded(hi: int) -> bool:
-    return hi == _MAXREPEAT
+    return bool(hi == _MAXREPEAT)
 
 
 class _Scan:

@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import transformers
 from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig, PreTrainedModel
 
-from modelgraft.errors import GraftError
+from modelgraft.errors import TargetError
 
 __all__ = [
     "TargetError",
@@ -30,10 +31,6 @@ __all__ = [
     "model_class_for",
     "resolve_config",
 ]
-
-
-class TargetError(GraftError, ValueError):
-    """A model type, path or ``package.module:NAME`` reference could not be resolved."""
 
 
 def resolve_config(target: str | Path | PretrainedConfig) -> tuple[PretrainedConfig, Path | None]:
@@ -77,7 +74,7 @@ def _config_from_json(path: Path) -> PretrainedConfig:
     except (OSError, ValueError) as exc:
         raise TargetError(f"`{path}` is not a readable JSON config: {exc}.") from exc
     model_type = data.pop("model_type", None) if isinstance(data, dict) else None
-    if model_type not in CONFIG_MAPPING:
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise TargetError(
             f"`{path}` has model_type `{model_type}`; expected one known to transformers "
             f"{transformers.__version__} (for example `llama`)."
@@ -107,7 +104,7 @@ def _read_config(path: Path, read: Callable[[], PretrainedConfig]) -> Pretrained
         ) from exc
 
 
-def model_class_for(config: PretrainedConfig) -> type:
+def model_class_for(config: PretrainedConfig) -> type[PreTrainedModel]:
     """Pick the model class to build: the config's ``architectures[0]``, else a model with an LM head.
 
     Encoders (``is_decoder=False``) get their masked-LM head, decoders their causal-LM head,
@@ -140,8 +137,9 @@ def model_class_for(config: PretrainedConfig) -> type:
     elif getattr(config, "is_decoder", None) is False:
         autos.insert(0, transformers.AutoModelForMaskedLM)
     for auto in autos:
+        mapping: Any = auto._model_mapping  # set on each Auto class; None on their untyped base
         try:
-            return auto._model_mapping[type(config)]
+            return cast("type[PreTrainedModel]", mapping[type(config)])
         except KeyError:
             continue
     raise TargetError(
@@ -160,7 +158,7 @@ def ensure_model_class(obj: object, what: str) -> type[PreTrainedModel]:
         >>> ensure_model_class(transformers.Trainer, "`Trainer`")
         Traceback (most recent call last):
         ...
-        modelgraft._target.TargetError: `Trainer` is a class `Trainer`, not a transformers model class (a `PreTrainedModel` subclass); only model classes are built, such as `LlamaForCausalLM`.
+        modelgraft.errors.TargetError: `Trainer` is a class `Trainer`, not a transformers model class (a `PreTrainedModel` subclass); only model classes are built, such as `LlamaForCausalLM`.
     """
     if isinstance(obj, type) and issubclass(obj, PreTrainedModel):
         return obj

@@ -60,8 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Progress bars and load warnings would interleave with the tables (and break --json on stdout
     # for tools that merge the streams); restored afterwards for callers of main() in process.
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     args.out = stdout
     try:
         # Under --json, stdout holds the one JSON document: whatever else prints (a graft module
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
-            hf_logging.enable_progress_bar()
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
 
 
 class _UsageError(Exception):
@@ -215,8 +215,9 @@ def _load_graft(ref: str, model_type: str | None = None) -> Graft:
         return obj
     if isinstance(obj, dict):
         return Graft(obj)
-    if isinstance(getattr(obj, "mapping", None), dict):  # a graft-like object of another library
-        return Graft(obj.mapping, getattr(obj, "conversions", None))
+    mapping = getattr(obj, "mapping", None)
+    if isinstance(mapping, dict):  # a graft-like object of another library
+        return Graft(mapping, getattr(obj, "conversions", None))
     raise TargetError(
         f"`{ref}` is a `{type(obj).__name__}`; expected a `modelgraft.Graft` (mapping and conversions), "
         "a function returning one, or a mapping dict of key -> nn.Module subclass."
@@ -434,7 +435,7 @@ def _print_json(args: argparse.Namespace, data: dict[str, Any]) -> None:
     print(json.dumps(data, indent=2, allow_nan=False), file=args.out)
 
 
-def _print_table(rows: list[tuple[str, ...]]) -> None:
+def _print_table(rows: Sequence[tuple[str, ...]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         cells = [cell.ljust(w) for cell, w in zip(row[:-1], widths)]

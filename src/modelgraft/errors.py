@@ -15,19 +15,26 @@ from __future__ import annotations
 __all__ = [
     "ConversionError",
     "ConversionShapeError",
+    "DoubleBackwardError",
+    "ExpertsAdapterError",
+    "ExpertsImplementationError",
     "FusionError",
     "GraftConflictError",
     "GraftError",
     "GraftStateError",
     "IrreversibleConversionError",
+    "LossInputError",
     "MissingSourceKeyError",
     "PatchRegistrationError",
     "ReplacementTypeError",
     "RoutingError",
     "StrictModeError",
+    "TargetError",
     "UnknownModelTypeError",
+    "UnsafePatternError",
     "UnsupportedFamilyError",
     "UnsupportedTransformersError",
+    "VerifyArgumentError",
 ]
 
 
@@ -82,6 +89,14 @@ class UnsupportedFamilyError(GraftError, ValueError):
     """A ready-made graft was asked for a model type it cannot handle (``modelgraft.grafts``)."""
 
 
+class ExpertsImplementationError(UnsupportedFamilyError):
+    """``linear_experts`` cannot run the requested ``experts_implementation`` (``modelgraft.grafts``)."""
+
+
+class ExpertsAdapterError(UnsupportedFamilyError):
+    """A PEFT adapter of fused 3D experts met a model whose experts ``linear_experts`` split (``modelgraft.grafts``)."""
+
+
 class GraftConflictError(GraftError, ValueError):
     """Two grafts replace the same class with different replacements (``modelgraft.grafts``)."""
 
@@ -93,3 +108,27 @@ class FusionError(GraftError, TypeError):
 class GraftStateError(GraftError, ValueError):
     """``graft_model`` cannot carry a module's state (per-parameter flags, hooks) into its
     replacement exactly; the model is left unchanged."""
+
+
+class TargetError(GraftError, ValueError):
+    """A model type, path or ``package.module:NAME`` reference could not be resolved
+    (:func:`modelgraft.verify`, the command line)."""
+
+
+class VerifyArgumentError(GraftError, ValueError):
+    """An argument of :func:`modelgraft.verify` is out of range: a tolerance that is negative or not finite, a bad seed."""
+
+
+class LossInputError(GraftError, ValueError):
+    """Labels or arguments that the chunked loss cannot take (``modelgraft.grafts``)."""
+
+
+class DoubleBackwardError(GraftError, RuntimeError):
+    """A backward with ``create_graph=True`` through the chunked loss (its gradients are precomputed)."""
+
+
+class UnsafePatternError(GraftError, ValueError):
+    """A patch-key pattern can backtrack catastrophically (the message says which shape).
+
+    Registration reports it as :class:`PatchRegistrationError`; it reaches callers of the pattern
+    checker directly."""

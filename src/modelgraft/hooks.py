@@ -89,7 +89,7 @@ def apply_patches() -> Iterator[Snapshot]:
 @contextmanager
 def patched(
     mapping: Graft | Mapping[str, type[torch.nn.Module]],
-    conversions: Mapping[str, list] | None = None,
+    conversions: Mapping[str, list[Any]] | None = None,
     strict: bool = False,
 ) -> Iterator[Snapshot]:
     """Use a graft (or ``mapping`` and ``conversions``) for loads in this thread/task, inside the block only.
@@ -191,7 +191,7 @@ def _loaded_class(cls: type, load: _Load) -> type:
     return cls
 
 
-def _after_load(model: torch.nn.Module, load: _Load, info: dict | None) -> None:
+def _after_load(model: torch.nn.Module, load: _Load, info: dict[Any, Any] | None) -> None:
     replaced = swap.replaced_modules(model, load.swap)
     recorders.patch_output_recorders(model, replacements=load.swap.replacements())
     rep = _report_for(model)

@@ -203,7 +203,8 @@ def _plan_root(model: torch.nn.Module, snap: Snapshot) -> _Root | None:
             f"cannot become one. Derive the replacement from `{original.__name__}`, or anchor the key so that "
             "it does not match the model's class. The model was left unchanged."
         )
-    for cls in (replacement, current):
+    classes: tuple[type[torch.nn.Module], ...] = (replacement, current)
+    for cls in classes:
         if cls.__init__ is not original.__init__ or cls.__basicsize__ != original.__basicsize__:
             raise GraftStateError(
                 f"Patch key `{key}` matches the model's own class `{original.__name__}`, and `{cls.__qualname__}` "
@@ -243,7 +244,7 @@ def _related(path: str, other: str) -> bool:
     return path == other or path.startswith(other + ".") or other.startswith(path + ".")
 
 
-def _recording(cls: type) -> type:
+def _recording(cls: type[torch.nn.Module]) -> type:
     """A subclass of ``cls`` that remembers the arguments its constructor received."""
 
     def __init__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
@@ -302,7 +303,9 @@ def _matches_by_name(model: torch.nn.Module, snap: Snapshot) -> list[tuple[str, 
     return found
 
 
-def _ctor_args_from_attributes(module: torch.nn.Module, replacement: type) -> tuple[tuple, dict[str, Any]]:
+def _ctor_args_from_attributes(
+    module: torch.nn.Module, replacement: type
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Recover the original constructor's arguments from attributes named like its parameters."""
     signature = inspect.signature(type(module).__init__)
     kwargs: dict[str, Any] = {}
@@ -389,11 +392,15 @@ def _fill(model: torch.nn.Module, target: _Target, built: torch.nn.Module) -> _F
     )
 
 
-def _as_is(model: torch.nn.Module, target: _Target, live: dict, wanted: dict) -> _Filled | None:
+def _as_is(
+    model: torch.nn.Module, target: _Target, live: dict[Any, Any], wanted: dict[Any, Any]
+) -> _Filled | None:
     return _Filled(dict(live), {k: (k,) for k in live})
 
 
-def _registered(model: torch.nn.Module, target: _Target, live: dict, wanted: dict) -> _Filled | None:
+def _registered(
+    model: torch.nn.Module, target: _Target, live: dict[Any, Any], wanted: dict[Any, Any]
+) -> _Filled | None:
     scope, converters = _converters_for(model, target.path)
     if scope is None or not converters:
         return None
@@ -401,7 +408,7 @@ def _registered(model: torch.nn.Module, target: _Target, live: dict, wanted: dic
 
 
 def _from_checkpoint_layout(
-    model: torch.nn.Module, target: _Target, live: dict, wanted: dict
+    model: torch.nn.Module, target: _Target, live: dict[Any, Any], wanted: dict[Any, Any]
 ) -> _Filled | None:
     """Undo transformers' own load-time conversion (fused experts), then apply the registered one."""
     checkpoint = _revert_builtin(model, live)

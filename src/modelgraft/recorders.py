@@ -65,12 +65,18 @@ def _patched_spec(
     if isinstance(spec, str):
         return by_name(spec) or spec
     target = getattr(spec, "target_class", None)
-    if dataclasses.is_dataclass(spec) and isinstance(target, type):
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type) and isinstance(target, type):
         replacement = replace(target)
         if replacement is not None:
             return dataclasses.replace(spec, target_class=replacement)
     name = getattr(spec, "class_name", None)
-    if dataclasses.is_dataclass(spec) and target is None and isinstance(name, str):
+    # (`spec` is never a class here, as returned above; the isinstance says so to the type checker.)
+    if (
+        dataclasses.is_dataclass(spec)
+        and not isinstance(spec, type)
+        and target is None
+        and isinstance(name, str)
+    ):
         replacement = by_name(name)
         if replacement is not None:
             return dataclasses.replace(spec, target_class=replacement)

@@ -169,7 +169,7 @@ class _Layer:
 
 
 # ---- class identities and snapshot versions (no strong reference to any class) ----------------
-_class_serials: dict[int, tuple[int, weakref.ref]] = {}
+_class_serials: dict[int, tuple[int, weakref.ref[Any]]] = {}
 _versions: dict[tuple[tuple[str, int], ...], int] = {}
 
 
@@ -180,7 +180,7 @@ def _class_serial(cls: type) -> int:
         return found[0]
     ident = id(cls)
 
-    def forget(_ref: weakref.ref, ident: int = ident) -> None:
+    def forget(_ref: weakref.ref[Any], ident: int = ident) -> None:
         entry = _class_serials.get(ident)
         if entry is not None and entry[1] is _ref:
             del _class_serials[ident]
@@ -227,7 +227,7 @@ class Snapshot:
         exact: dict[str, _Entry] = {}
         patterns: list[_Entry] = []
         seen: set[str] = set()
-        conversions: dict[str, tuple] = {}
+        conversions: dict[str, tuple[Any, ...]] = {}
         hidden: set[str] = set()
         strict = False
         # Innermost layer first: scoped entries hide outer ones with the same key.
@@ -258,7 +258,7 @@ class Snapshot:
         self._by_key = {e.key: e for e in ordered}
         self.mapping: Mapping[str, type] = MappingProxyType({e.key: e.value for e in ordered})
         self.sources: Mapping[str, str] = MappingProxyType({e.key: e.source for e in ordered})
-        self.conversions: Mapping[str, tuple] = MappingProxyType(conversions)
+        self.conversions: Mapping[str, tuple[Any, ...]] = MappingProxyType(conversions)
         self.strict = strict
         self.version = _version(tuple((e.key, _class_serial(e.value)) for e in ordered))
 
@@ -287,7 +287,9 @@ class Snapshot:
         matcher = self._by_key[key].matcher
         return key == class_name if matcher is None else matcher.matches(class_name)
 
-    def lookup_conversions(self, class_name: str, model_type: str | None) -> tuple[str, tuple] | None:
+    def lookup_conversions(
+        self, class_name: str, model_type: str | None
+    ) -> tuple[str, tuple[Any, ...]] | None:
         """Return ``(key, converters)`` for a (sub)model: its class name first, then ``model_type``."""
         for key in (class_name, model_type):
             if key and key in self.conversions:
@@ -372,7 +374,7 @@ def _validate(mapping: object, source: str) -> list[_Entry]:
     return entries
 
 
-def _conversion_entries(conversions: Mapping[str, tuple], source: str) -> list[_Entry]:
+def _conversion_entries(conversions: Mapping[str, tuple[Any, ...]], source: str) -> list[_Entry]:
     """Entries for conversions already validated by :mod:`modelgraft.conversion.rules`."""
     return [_Entry(key, tuple(value), None, source) for key, value in conversions.items()]
 
@@ -476,7 +478,7 @@ def _unknown_patch(missing: list[str], registered: list[str]) -> PatchRegistrati
 
 def register(
     mapping: Mapping[str, type[torch.nn.Module]],
-    conversions: Mapping[str, tuple],
+    conversions: Mapping[str, tuple[Any, ...]],
     overwrite: bool,
     duplicate_conversion: Callable[[str, Any], Exception],
 ) -> None:
@@ -727,7 +729,7 @@ def _pushed(layer: _Layer) -> Iterator[None]:
 def scoped(
     mapping: Mapping[str, type[torch.nn.Module]] | Any | None = None,
     *,
-    conversions: Mapping[str, tuple] | None = None,
+    conversions: Mapping[str, tuple[Any, ...]] | None = None,
     strict: bool = False,
 ) -> Iterator[Snapshot]:
     """Layer ``mapping`` (and ``conversions``) over the registry for this thread/task, inside the block.

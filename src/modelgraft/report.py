@@ -19,6 +19,7 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import Any, Literal, cast, overload
 
 import torch
 
@@ -108,6 +109,10 @@ class GraftReport:
         return "\n".join(lines)
 
 
+@overload
+def _report_for(model: torch.nn.Module, create: Literal[True] = True) -> GraftReport: ...
+@overload
+def _report_for(model: torch.nn.Module, create: bool) -> GraftReport | None: ...
 def _report_for(model: torch.nn.Module, create: bool = True) -> GraftReport | None:
     """Return the report attached to ``model`` (creating an empty one when asked)."""
     existing = model.__dict__.get(_ATTR)
@@ -166,8 +171,10 @@ def _init_fills(model: torch.nn.Module, param_name: str, cache: dict[tuple[type,
             tensor.__dict__.pop("_is_hf_initialized", None)
         probe.__dict__.pop("_is_hf_initialized", None)
         try:
-            initializer._init_weights(probe)
-            filled = not bool(torch.isnan(probe._parameters[leaf]).all())
+            cast(Any, initializer)._init_weights(probe)  # a PreTrainedModel method, untyped on Module
+            probed = probe._parameters[leaf]
+            assert probed is not None  # the leaf was a parameter of the original owner
+            filled = not bool(torch.isnan(probed).all())
         except Exception:  # an init that cannot handle the module does not fill it either
             filled = False
     cache[cache_key] = filled
@@ -219,7 +226,7 @@ def _short(qualified: str) -> str:
 def diagnose_load(
     model: torch.nn.Module,
     rep: GraftReport,
-    loading_info: dict | None,
+    loading_info: dict[Any, Any] | None,
     scoped_keys: tuple[str, ...] = (),
 ) -> None:
     """Fill ``rep`` with what the replacements broke in this load.
@@ -268,7 +275,9 @@ def diagnose_load(
     _diagnose_missing(model, rep, loading_info, paths)
 
 
-def _diagnose_missing(model: torch.nn.Module, rep: GraftReport, loading_info: dict, paths: list[str]) -> None:
+def _diagnose_missing(
+    model: torch.nn.Module, rep: GraftReport, loading_info: dict[Any, Any], paths: list[str]
+) -> None:
     """Sort every parameter the checkpoint did not fill into ``randomly_initialised`` (the weight init
     filled it) or ``unloaded_parameters`` (nothing did), with one problem sentence per kind.
 

@@ -34,6 +34,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType, TracebackType
+from typing import Any
 
 import torch
 
@@ -203,7 +204,7 @@ class Swap:
         self._extra: dict[str, ModuleType] = {}
         self._applied: list[_Applied] = []
         self._applied_log: list[_Applied] = []  # kept after restore, for reports
-        self._tables: list[tuple[dict, object, type, type]] = []  # class-table entries changed
+        self._tables: list[tuple[dict[Any, Any], object, type, type]] = []  # class-table entries changed
         self._covered: set[str] = set()
         self._depth = 0
         self._owner = 0  # the thread that entered it (a forked child restores other threads' swaps)
@@ -267,7 +268,9 @@ class Swap:
             module = _index[name][0]
             namespace = module.__dict__
             for attr in hits:
-                key, replacement = self.snap.find(attr)  # type: ignore[misc]
+                found = self.snap.find(attr)
+                assert found is not None  # the plan lists only names the snapshot replaces
+                key, replacement = found
                 current = namespace.get(attr)
                 if current is replacement:  # an enclosing swap bound it already: report its original
                     current = _bound_by_enclosing(module, attr, replacement)

@@ -39,14 +39,14 @@ import math
 import numbers
 import operator
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import load_file
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers import logging as hf_logging
 
 from modelgraft._compare import compare_outputs, few, same_bits
@@ -58,16 +58,12 @@ from modelgraft._target import (
     model_class_for,
     resolve_config,
 )
-from modelgraft.errors import GraftError
+from modelgraft.errors import VerifyArgumentError
 from modelgraft.graft import Graft, as_graft, scope
 from modelgraft.hooks import unpatched
 from modelgraft.report import report
 
 __all__ = ["Check", "VerifyArgumentError", "VerifyReport", "verify"]
-
-
-class VerifyArgumentError(GraftError, ValueError):
-    """An argument of :func:`verify` is out of range: a tolerance that is negative or not finite, a bad seed."""
 
 
 CHECKS = ("builds", "all_weights_loaded", "logits_match", "hidden_states_match", "save_roundtrip")
@@ -240,12 +236,19 @@ def _workdir(workdir: str | Path | None) -> Iterator[Path]:
 def _quiet() -> Iterator[None]:
     """No progress bars for the half-dozen loads and saves of one verification."""
     was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     try:
         yield
     finally:
         if was_enabled:
-            hf_logging.enable_progress_bar()
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
+
+
+def _from_pretrained(cls: type[PreTrainedModel], path: str | Path, **kwargs: Any) -> Any:
+    """``cls.from_pretrained(path, **kwargs)``; transformers' decorators hide its signature (and the
+    ``(model, info)`` pair it returns with ``output_loading_info=True``) from type checkers."""
+    load = cast(Callable[..., Any], cls.from_pretrained)
+    return load(path, **kwargs)
 
 
 def _grafting(graft: Graft | None) -> contextlib.AbstractContextManager[Any]:
@@ -256,7 +259,7 @@ def _grafting(graft: Graft | None) -> contextlib.AbstractContextManager[Any]:
 # ---- the checks -------------------------------------------------------------------------------------
 def _run(
     result: VerifyReport,
-    cls: type,
+    cls: type[PreTrainedModel],
     config: PretrainedConfig,
     checkpoint: Path | None,
     work: Path,
@@ -277,7 +280,7 @@ def _run(
     try:
         with _grafting(graft):
             torch.manual_seed(seed + 1)
-            grafted, info = cls.from_pretrained(checkpoint, dtype=torch.float32, output_loading_info=True)
+            grafted, info = _from_pretrained(cls, checkpoint, dtype=torch.float32, output_loading_info=True)
     except Exception as exc:
         checks.append(Check("builds", False, f"{type(exc).__name__}: {exc}"))
         return _skip_rest(checks, "the grafted model did not build")
@@ -287,7 +290,7 @@ def _run(
     try:
         with _grafting(graft):
             torch.manual_seed(seed + 2)
-            second = cls.from_pretrained(checkpoint, dtype=torch.float32)
+            second = _from_pretrained(cls, checkpoint, dtype=torch.float32)
         checks.append(_check_loaded(grafted, second, info))
         del second
     except Exception as exc:
@@ -303,7 +306,7 @@ def _skip_rest(checks: list[Check], why: str) -> None:
 
 
 def _plain_model(
-    cls: type, config: PretrainedConfig, checkpoint: Path | None, work: Path, seed: int
+    cls: type[PreTrainedModel], config: PretrainedConfig, checkpoint: Path | None, work: Path, seed: int
 ) -> tuple[torch.nn.Module, Path]:
     """The reference model and the checkpoint both models load from.
 
@@ -312,12 +315,14 @@ def _plain_model(
     """
     if checkpoint is None:
         torch.manual_seed(seed)
-        plain = cls(config).to(torch.float32).eval()
+        built = cls(config)
+        module: torch.nn.Module = built  # PreTrainedModel.to's decorators hide its signature from mypy
+        module.to(torch.float32).eval()  # both in place
         checkpoint = work / "original"
-        plain.save_pretrained(checkpoint)
-        return plain, checkpoint
+        built.save_pretrained(checkpoint)
+        return built, checkpoint
     with unpatched():  # a plain reference even while grafts are registered globally
-        plain = cls.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        plain = _from_pretrained(cls, checkpoint, dtype=torch.float32).eval()
     return plain, checkpoint
 
 
@@ -335,7 +340,7 @@ def _check_builds(grafted: torch.nn.Module) -> Check:
     return Check("builds", True, f"{len(replaced)} modules replaced: {summary}")
 
 
-def _check_loaded(grafted: torch.nn.Module, second: torch.nn.Module, info: dict | None) -> Check:
+def _check_loaded(grafted: torch.nn.Module, second: torch.nn.Module, info: dict[Any, Any] | None) -> Check:
     rep = report(grafted)
     problems: list[str] = []
     missing = sorted((info or {}).get("missing_keys", ()))
@@ -420,7 +425,7 @@ def _first(output: Any, *names: str) -> tuple[str, Any]:
 
 
 def _check_roundtrip(
-    cls: type, plain: torch.nn.Module, grafted: torch.nn.Module, checkpoint: Path, work: Path
+    cls: type[PreTrainedModel], plain: torch.nn.Module, grafted: PreTrainedModel, checkpoint: Path, work: Path
 ) -> Check:
     name = "save_roundtrip"
     resaved = work / "resaved"
@@ -447,7 +452,7 @@ def _check_roundtrip(
         same = f"{len(original)} checkpoint tensors written back bit-identical"
     try:
         with unpatched():
-            reloaded = cls.from_pretrained(resaved, dtype=torch.float32)
+            reloaded = _from_pretrained(cls, resaved, dtype=torch.float32)
     except Exception as exc:
         return Check(
             name, False, f"plain transformers could not load the saved model: {type(exc).__name__}: {exc}"

@@ -1,4 +1,8 @@
-"""The modelgraft command line, run in process through ``main(argv)`` (output and exit codes)."""
+"""The modelgraft command line, run in process through ``main(argv)`` (output and exit codes).
+
+Unit tests of ``modelgraft.cli`` (their own file): they import it directly, the one exception to
+tests using public names only (issue 14); everything else comes from the public namespaces.
+"""
 
 from __future__ import annotations
 

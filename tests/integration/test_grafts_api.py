@@ -17,8 +17,12 @@ from transformers.models.qwen2_moe import modeling_qwen2_moe
 import modelgraft
 from _versions import missing_model_type, requires_fused_experts
 from families import family
-from modelgraft.conversion import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
-from modelgraft.errors import ConversionError, PatchRegistrationError
+from modelgraft import (
+    ConversionError,
+    PatchRegistrationError,
+    get_checkpoint_conversion_mapping,
+    register_checkpoint_conversion_mapping,
+)
 from modelgraft.grafts import (
     FusedSlice,
     FusionError,

@@ -13,8 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 import modelgraft
 from _versions import requires_fused_experts
 from families import Family, family, family_params
-from modelgraft import ConversionError, GraftError, ReplacementTypeError, graft_model, report
-from modelgraft.errors import GraftStateError
+from modelgraft import ConversionError, GraftError, GraftStateError, ReplacementTypeError, graft_model, report
 from modelgraft.grafts import FUSED_QKV_FAMILIES, LINEAR_EXPERTS_FAMILIES, fused_qkv, linear_experts
 from modelgraft.testing import tiny_config
 

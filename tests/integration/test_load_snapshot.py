@@ -21,9 +21,10 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 import modelgraft
 from _versions import TRANSFORMERS_VERSION
 from families import family
-from modelgraft import StrictModeError, report
-from modelgraft.conversion import (
+from modelgraft import (
+    StrictModeError,
     register_checkpoint_conversion_mapping,
+    report,
     unregister_checkpoint_conversion_mapping,
 )
 from modelgraft.grafts import Graft, fused_gate_up, fused_qkv, linear_experts

@@ -14,7 +14,7 @@ from moe_helpers import ExpertInputs
 
 from _versions import MIN_MOE_FAMILIES, MIN_MOE_FAMILIES_RUNNING
 from families import Family, family_params
-from modelgraft.errors import RoutingError
+from modelgraft import RoutingError
 from modelgraft.moe import _intercept, moe_layers, record_routing, replay_routing
 from moe_families import build_tiny, moe_model_types
 

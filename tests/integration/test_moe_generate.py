@@ -14,7 +14,7 @@ import torch
 from moe_helpers import ExpertInputs
 
 from families import Family, family_params
-from modelgraft.errors import RoutingError
+from modelgraft import RoutingError
 from modelgraft.moe import moe_layers, record_routing, replay_routing
 
 PAD = 0

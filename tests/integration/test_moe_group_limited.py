@@ -19,7 +19,7 @@ from moe_helpers import ExpertInputs
 from transformers import AutoConfig
 
 from _versions import IS_V5
-from modelgraft.errors import RoutingError
+from modelgraft import RoutingError
 from modelgraft.moe import moe_layers, record_routing, replay_routing
 from moe_families import build_tiny, moe_model_types
 

@@ -15,7 +15,7 @@ from moe_helpers import ExpertInputs
 from torch import nn
 
 from engine_payloads import qwen3_moe
-from modelgraft.errors import RoutingError
+from modelgraft import RoutingError
 from modelgraft.moe import RoutingTrace, pack_routes, pack_sequences, record_routing, replay_routing
 
 BATCH, SEQ = 4, 6

@@ -12,9 +12,11 @@ from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
 import modelgraft
-from modelgraft import patched, report, unpatched
-from modelgraft.conversion import (
+from modelgraft import (
+    patched,
     register_checkpoint_conversion_mapping,
+    report,
+    unpatched,
     unregister_checkpoint_conversion_mapping,
 )
 from modelgraft.testing import tiny_config

@@ -3,6 +3,9 @@ version-specific seams (construction site, per-instance output recorders, MoE ro
 
 Runs on both legs (``make test`` on 5.x, ``make test-compat`` on 4.57); each fact is checked
 against the installed transformers itself, so a wrong fact fails on the leg where it is wrong.
+
+Unit tests of ``modelgraft._compat`` (their own file): they import it directly, the one exception to
+tests using public names only (issue 14); everything else comes from the public namespaces.
 """
 
 from __future__ import annotations

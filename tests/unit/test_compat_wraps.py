@@ -3,6 +3,9 @@
 Runs on both legs: each entry for the installed transformers must exist there and be wrapped once
 modelgraft is imported, nothing outside the table may be wrapped, and the groups go in (and come
 out) in the stated order.
+
+Unit tests of ``modelgraft._compat.wraps`` (their own file): they import it directly, the one exception to
+tests using public names only (issue 14); everything else comes from the public namespaces.
 """
 
 from __future__ import annotations

@@ -1,16 +1,21 @@
 """Source checks of the conversion engine: every checkpoint tensor is checked against the shape the
-original model expects before it is concatenated, and a failing operation names its keys and shapes."""
+original model expects before it is concatenated, and a failing operation names its keys and shapes.
+
+Unit tests of ``modelgraft.conversion._checks`` (their own file): they import it directly, the one exception to
+tests using public names only (issue 14); everything else comes from the public namespaces.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from modelgraft import ConversionError, ConversionShapeError
-from modelgraft.conversion import (
+from modelgraft import (
     Chunk,
     Concatenate,
+    ConversionError,
     ConversionOperation,
+    ConversionShapeError,
     MergeModulelist,
     SplitModulelist,
     Transpose,

@@ -1,4 +1,8 @@
-"""Fused targets built from private file mappings: same bytes as a copy, lazy, private, released."""
+"""Fused targets built from private file mappings: same bytes as a copy, lazy, private, released.
+
+Unit tests of ``modelgraft.conversion._filemap`` (their own file): they import it directly, the one exception to
+tests using public names only (issue 14); everything else comes from the public namespaces.
+"""
 
 from __future__ import annotations
 

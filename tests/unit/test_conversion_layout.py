@@ -1,4 +1,8 @@
-"""Byte layouts of row rearrangements: the bytes they name are exactly what the operations produce."""
+"""Byte layouts of row rearrangements: the bytes they name are exactly what the operations produce.
+
+Unit tests of ``modelgraft.conversion._layout`` (their own file): they import it directly, the one exception to
+tests using public names only (issue 14); everything else comes from the public namespaces.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
+from modelgraft import Chunk, Concatenate, ConversionOperation, MergeModulelist, Transpose, WeightConverter
 from modelgraft.conversion._layout import ByteLayout, convert_layouts
 from modelgraft.conversion._plan import Group, run_convert
 from modelgraft.conversion._safetensors import SafetensorsFile, read_ranges_into
-from modelgraft.conversion.ops import Chunk, Concatenate, ConversionOperation, MergeModulelist, Transpose
-from modelgraft.conversion.rules import WeightConverter
 
 
 def _layouts(tmp_path, groups: list[list[torch.Tensor]]) -> list[list[ByteLayout]]:

@@ -7,12 +7,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from modelgraft import ConversionError, IrreversibleConversionError
-from modelgraft.conversion.ops import (
+from modelgraft import (
     Chunk,
     Concatenate,
     ConversionContext,
+    ConversionError,
     ConversionOperation,
+    IrreversibleConversionError,
     MergeModulelist,
     SplitModulelist,
     Transpose,

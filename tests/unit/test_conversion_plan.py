@@ -1,4 +1,8 @@
-"""Group planning, the safetensors reader, key translation and device lookup of the conversion engine."""
+"""Group planning, the safetensors reader, key translation and device lookup of the conversion engine.
+
+Unit tests of ``modelgraft.conversion._plan`` (their own file): they import it directly, the one exception to
+tests using public names only (issue 14); everything else comes from the public namespaces.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from modelgraft import ConversionShapeError, MissingSourceKeyError
-from modelgraft.conversion import (
+from modelgraft import (
     Chunk,
     Concatenate,
+    ConversionShapeError,
     MergeModulelist,
+    MissingSourceKeyError,
     SplitModulelist,
     WeightConverter,
     WeightRenaming,

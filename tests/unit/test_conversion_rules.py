@@ -1,4 +1,8 @@
-"""Conversion rules: pattern matching, validation, registry, lookup precedence, scoped overlay."""
+"""Conversion rules: pattern matching, validation, registry, lookup precedence, scoped overlay.
+
+Unit tests of ``modelgraft.conversion.rules`` and ``modelgraft.conversion.keys`` (their own file): they import it directly, the one exception to
+tests using public names only (issue 14); everything else comes from the public namespaces.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +11,17 @@ import threading
 import pytest
 
 from _versions import requires_builtin_conversion
-from modelgraft import ConversionError
-from modelgraft.conversion import (
+from modelgraft import (
     Concatenate,
+    ConversionError,
     ConversionOperation,
     WeightConverter,
     WeightRenaming,
     get_checkpoint_conversion_mapping,
     register_checkpoint_conversion_mapping,
-    scoped_conversions,
     unregister_checkpoint_conversion_mapping,
 )
+from modelgraft.conversion import scoped_conversions
 from modelgraft.conversion.keys import Pattern
 from modelgraft.conversion.rules import lookup_conversions
 

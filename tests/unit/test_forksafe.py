@@ -1,4 +1,8 @@
-"""Every module-level lock of modelgraft is free again in a forked child (issue 10, point 9)."""
+"""Every module-level lock of modelgraft is free again in a forked child (issue 10, point 9).
+
+Unit tests of ``modelgraft._forksafe`` (their own file): they import it directly, the one exception to
+tests using public names only (issue 14); everything else comes from the public namespaces.
+"""
 
 from __future__ import annotations
 

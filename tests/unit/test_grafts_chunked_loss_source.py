@@ -1,6 +1,9 @@
 """Reading a causal-LM forward's head from its source: what is recognised, and what is refused.
 
 The synthetic forwards below are never run; only their source is read.
+
+Unit tests of ``modelgraft.grafts._lm_head_source`` (their own file): they import it directly, the one exception to
+tests using public names only (issue 14); everything else comes from the public namespaces.
 """
 
 from __future__ import annotations

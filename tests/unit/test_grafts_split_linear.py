@@ -1,4 +1,8 @@
-"""split_linear (the per-part matmuls of fused layers) and when the fused stand-ins use it."""
+"""split_linear (the per-part matmuls of fused layers) and when the fused stand-ins use it.
+
+Unit tests of ``modelgraft.grafts._split_linear`` (their own file): they import it directly, the one exception to
+tests using public names only (issue 14); everything else comes from the public namespaces.
+"""
 
 from __future__ import annotations
 

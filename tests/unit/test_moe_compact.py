@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 from engine_payloads import qwen3_moe
-from modelgraft.errors import RoutingError
+from modelgraft import RoutingError
 from modelgraft.moe import RoutingTrace, compact_dtype, record_routing, replay_routing
 
 

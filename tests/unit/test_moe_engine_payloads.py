@@ -20,7 +20,7 @@ from engine_payloads import (
     vllm_output,
     vllm_server_response,
 )
-from modelgraft.errors import RoutingError
+from modelgraft import RoutingError
 from modelgraft.moe import from_sglang, from_vllm, replay_routing
 
 PROMPTS = [[5, 9, 17, 33], [7, 40, 2]]

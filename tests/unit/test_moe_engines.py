@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from modelgraft.errors import RoutingError
+from modelgraft import RoutingError
 from modelgraft.moe import RoutingTrace, from_sglang, from_vllm, join_routes, moe_layers, replay_routing
 from moe_families import build_tiny
 

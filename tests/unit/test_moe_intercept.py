@@ -1,4 +1,8 @@
-"""The top-k interception on its own: final selection, group-limited steering, pass-through."""
+"""The top-k interception on its own: final selection, group-limited steering, pass-through.
+
+Unit tests of ``modelgraft.moe._intercept`` (their own file): they import it directly, the one exception to
+tests using public names only (issue 14); everything else comes from the public namespaces.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from modelgraft.errors import RoutingError
+from modelgraft import RoutingError
 from modelgraft.moe._discovery import MoELayer
 from modelgraft.moe._intercept import _SelectionMode, _Site, hook_scope, unhook_scope
 

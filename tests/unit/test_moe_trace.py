@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from modelgraft.errors import RoutingError
+from modelgraft import RoutingError
 from modelgraft.moe import RoutingTrace
 
 FORMAT = "modelgraft.routing/1"

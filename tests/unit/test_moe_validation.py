@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from modelgraft.errors import RoutingError
+from modelgraft import RoutingError
 from modelgraft.moe import RoutingTrace, moe_layers, record_routing, replay_routing
 from moe_families import build_tiny
 

@@ -10,8 +10,13 @@ import pytest
 import torch
 
 import modelgraft
-from modelgraft import PatchRegistrationError, apply_patches, patch_output_recorders, register_patch_mapping
-from modelgraft.registry import clear_patch_mapping
+from modelgraft import (
+    PatchRegistrationError,
+    apply_patches,
+    clear_patch_mapping,
+    patch_output_recorders,
+    register_patch_mapping,
+)
 
 
 @pytest.fixture(autouse=True)

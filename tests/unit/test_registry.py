@@ -1,5 +1,9 @@
 """Issue 2, points 1 (matching rules and precedence) and 2 (atomic, validated registration); issue 10,
-points 10 (catastrophic patterns), 11 (out-of-order exits) and 16 (linear cost, released classes)."""
+points 10 (catastrophic patterns), 11 (out-of-order exits) and 16 (linear cost, released classes).
+
+Unit tests of ``modelgraft.registry`` (their own file): they import it directly, the one exception to
+tests using public names only (issue 14); everything else comes from the public namespaces.
+"""
 
 from __future__ import annotations
 
@@ -294,7 +298,7 @@ def test_a_pattern_is_matched_once_per_class_name(monkeypatch: pytest.MonkeyPatc
 
 # ---- issue 10, point 11: patched() blocks exited out of order -----------------------------------
 def test_patched_blocks_exited_out_of_order_each_remove_only_their_own_layer() -> None:
-    from modelgraft.conversion import WeightRenaming, get_checkpoint_conversion_mapping
+    from modelgraft import WeightRenaming, get_checkpoint_conversion_mapping
 
     register_patch_mapping({"LlamaMLP": A})
     outer = patched(

@@ -1,4 +1,8 @@
-"""Issue 2, point 4 (only nn.Module classes are swapped; a scan imports nothing) and swap mechanics."""
+"""Issue 2, point 4 (only nn.Module classes are swapped; a scan imports nothing) and swap mechanics.
+
+Unit tests of ``modelgraft.swap`` (their own file): they import it directly, the one exception to
+tests using public names only (issue 14); everything else comes from the public namespaces.
+"""
 
 from __future__ import annotations
 

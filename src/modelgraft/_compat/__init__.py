@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # Every module here imports `_version` before anything of transformers: an unsupported
 # transformers is refused with a clear error before any internal of it is touched.
@@ -98,7 +98,7 @@ __all__ = [
     "uninstall_recorder_lookup",
 ]
 
-if IS_V5:
+if IS_V5 or TYPE_CHECKING:  # both lines share one interface; the checker reads the 5.x one
     from modelgraft._compat import _v5 as _impl
 else:
     from modelgraft._compat import _v4 as _impl
@@ -272,7 +272,7 @@ def defines_layout_moe(source: str) -> bool:
 
 def rebind_class_tables(
     module: ModuleType, swapped: Mapping[type, type]
-) -> list[tuple[dict, Any, type, type]]:
+) -> list[tuple[dict[Any, Any], Any, type, type]]:
     """Point a modeling module's class tables at the replacements of the classes swapped in it.
 
     Old-style 4.57 modeling modules pick some building blocks from a module-level table, e.g.
@@ -304,7 +304,7 @@ def rebind_class_tables(
     return _impl.rebind_class_tables(module, swapped)
 
 
-def restore_class_tables(log: list[tuple[dict, Any, type, type]]) -> None:
+def restore_class_tables(log: list[tuple[dict[Any, Any], Any, type, type]]) -> None:
     """Undo :func:`rebind_class_tables` (entries someone else changed meanwhile are left alone).
 
     Example:

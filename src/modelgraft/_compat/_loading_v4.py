@@ -53,8 +53,8 @@ class _Load:
     """What the inner wrappers of one ``_load_pretrained_model`` call need to share."""
 
     files: list[str] | None
-    state_dict: dict | None
-    device_map: dict | None
+    state_dict: dict[Any, Any] | None
+    device_map: dict[Any, Any] | None
     key_mapping: dict[str, str] | None
     quantizer: Any = None
     consumed: set[str] = field(default_factory=set)
@@ -78,7 +78,7 @@ def _renamer(model: Any, key_mapping: dict[str, str] | None) -> Any:
     the first matching ``key_mapping`` pattern); the base-model prefix is left to the engine."""
 
     def rename(key: str) -> str:
-        new_key = model._fix_state_dict_key_on_load(key)[0]
+        new_key: str = model._fix_state_dict_key_on_load(key)[0]
         for pattern, replacement in (key_mapping or {}).items():
             new_key, count = re.subn(pattern, replacement, new_key)
             if count:

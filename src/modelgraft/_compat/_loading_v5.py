@@ -24,11 +24,15 @@ Example:
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import conversion_mapping as _tcm
-from transformers import core_model_loading as _tcore
+
+# This module is 5.x only; on 4.57 (where it is never imported) mypy still checks it, so the
+# version-specific ignores below carry `unused-ignore` to type-check on both lines.
+from transformers import conversion_mapping as _tcm  # type: ignore[attr-defined, unused-ignore]
+from transformers import core_model_loading as _tcore  # type: ignore[attr-defined, unused-ignore]
 
 from modelgraft._compat.engine import ConversionEngine
 from modelgraft._compat.wraps import WrapGroup
@@ -52,15 +56,15 @@ _BUILTINS_UNFILTERED: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 def builtin_conversion_exists(key: str) -> bool:
     """Whether the installed transformers has its own conversion entry for ``key``."""
-    return _tcm.get_checkpoint_conversion_mapping(key) is not None
+    return _tcm.get_checkpoint_conversion_mapping(key) is not None  # type: ignore[no-untyped-call, unused-ignore]
 
 
 def builtin_checkpoint_conversions(model_type: str) -> list[Any]:
     """transformers' own conversion entries for ``model_type``."""
-    return list(_tcm.get_checkpoint_conversion_mapping(model_type) or [])
+    return list(_tcm.get_checkpoint_conversion_mapping(model_type) or [])  # type: ignore[no-untyped-call, unused-ignore]
 
 
-def _signature(transform: Any) -> tuple:
+def _signature(transform: Any) -> tuple[Any, ...]:
     return (
         type(transform).__name__,
         tuple(getattr(transform, "_original_source_patterns", ()) or ()),
@@ -68,11 +72,11 @@ def _signature(transform: Any) -> tuple:
     )
 
 
-def _filter_builtins(engine: ConversionEngine, model: Any, transforms: list) -> list:
+def _filter_builtins(engine: ConversionEngine, model: Any, transforms: list[Any]) -> list[Any]:
     paths = engine.scope_paths(model)
     if not paths:
         return transforms
-    drop: set[tuple] = set()
+    drop: set[tuple[Any, ...]] = set()
     base = getattr(model, "base_model_prefix", "") or ""
     for path in paths:
         sub = model.get_submodule(path) if path else model
@@ -84,8 +88,8 @@ def _filter_builtins(engine: ConversionEngine, model: Any, transforms: list) -> 
 
 
 def _wrap_get_model_conversion_mapping(engine: ConversionEngine) -> Any:
-    def wrap(original: Any) -> Any:
-        def get_model_conversion_mapping(model: Any, *args: Any, **kwargs: Any) -> list:
+    def wrap(original: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+        def get_model_conversion_mapping(model: Any, *args: Any, **kwargs: Any) -> list[Any]:
             transforms = original(model, *args, **kwargs)
             if not engine.active() or _BUILTINS_UNFILTERED.get():
                 return transforms
@@ -96,7 +100,7 @@ def _wrap_get_model_conversion_mapping(engine: ConversionEngine) -> Any:
     return wrap
 
 
-def _renamer(weight_mapping: list) -> Any:
+def _renamer(weight_mapping: list[Any]) -> Any:
     """The loader's own key renamings (not its converters), as one ``str -> str`` function."""
     renamings = [t for t in weight_mapping if isinstance(t, _tcore.WeightRenaming)]
     if not renamings:
@@ -138,12 +142,14 @@ def _wrap_load_pretrained_model(engine: ConversionEngine) -> Any:
         ) -> Any:
             loading_info, offload_index = original(model, state_dict, checkpoint_files, load_config, *a, **kw)
             if engine.active():
-                offloaded: dict = offload_index if offload_index is not None else {}
+                offloaded: dict[Any, Any] = offload_index if offload_index is not None else {}
 
                 def offload(key: str, tensor: torch.Tensor) -> None:
                     # Converted weights have no range in the checkpoint to point at: written out, as
                     # transformers does for its own converted weights, and read back when used.
-                    from transformers.integrations.accelerate import offload_weight  # only when offloading
+                    from transformers.integrations.accelerate import (  # type: ignore[attr-defined, unused-ignore]
+                        offload_weight,  # only when offloading; 5.x only
+                    )
 
                     offload_weight(tensor, key, getattr(load_config, "disk_offload_folder", None), offloaded)
 
@@ -181,8 +187,8 @@ def _wrap_post_init(engine: ConversionEngine) -> Any:
 
 
 def _wrap_revert(engine: ConversionEngine) -> Any:
-    def wrap(original: Any) -> Any:
-        def revert_weight_conversion(model: Any, state_dict: dict) -> dict:
+    def wrap(original: Callable[..., dict[Any, Any]]) -> Callable[..., dict[Any, Any]]:
+        def revert_weight_conversion(model: Any, state_dict: dict[Any, Any]) -> dict[Any, Any]:
             reversed_ = engine.reverse(model, state_dict)
             if reversed_ is None:
                 return original(model, state_dict)

@@ -31,7 +31,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -51,7 +51,7 @@ _lookup_wrappers = WrapGroup("recorders")
 _RUNNING: ContextVar[tuple[nn.Module, ...]] = ContextVar("modelgraft_running_models", default=())
 
 
-class _InstanceAwareRegistry(dict):
+class _InstanceAwareRegistry(dict[Any, Any]):
     """``_CAN_RECORD_REGISTRY`` whose ``get`` prefers the recorders of a running, tracked model."""
 
     def get(self, key: Any, default: Any = None) -> Any:
@@ -72,14 +72,14 @@ def install_recorder_lookup() -> None:
     replacement object with the same items. On removal both get one plain ``dict`` with the items
     the replacement holds then (models built meanwhile registered theirs in it).
     """
-    shared: dict[str, dict] = {}
+    shared: dict[str, dict[Any, Any]] = {}
 
-    def replace(current: dict) -> dict:
+    def replace(current: dict[Any, Any]) -> dict[Any, Any]:
         if "replacement" not in shared:
             shared["replacement"] = _InstanceAwareRegistry(current)
         return shared["replacement"]
 
-    def restore(replacement: dict) -> dict:
+    def restore(replacement: dict[Any, Any]) -> dict[Any, Any]:
         if "plain" not in shared:
             shared["plain"] = dict(replacement)
         return shared["plain"]
@@ -132,8 +132,8 @@ def install_construction_step(step: Callable[[], AbstractContextManager[Any]]) -
     wrapping ``_from_config`` yourself, so that it runs inside your wrapper.
     """
 
-    def wrap_init_context(original: Callable[..., list]) -> Callable[..., list]:
-        def get_init_context(cls: type, *args: Any, **kwargs: Any) -> list:
+    def wrap_init_context(original: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+        def get_init_context(cls: type, *args: Any, **kwargs: Any) -> list[Any]:
             return [*original(cls, *args, **kwargs), step()]
 
         return get_init_context
@@ -169,6 +169,8 @@ def moe_router_candidates(modules: Mapping[str, nn.Module]) -> Iterator[tuple[st
         if leaf not in _ROUTER_NAMES:
             continue
         parent = modules.get(parent_name)
+        if parent is None:
+            continue
         experts = getattr(parent, "experts", None)
         if not isinstance(experts, nn.ModuleList):
             continue
@@ -179,9 +181,11 @@ def moe_router_candidates(modules: Mapping[str, nn.Module]) -> Iterator[tuple[st
             yield name, module, parent
 
 
-def rebind_class_tables(module: Any, swapped: Mapping[type, type]) -> list[tuple[dict, Any, type, type]]:
+def rebind_class_tables(
+    module: Any, swapped: Mapping[type, type]
+) -> list[tuple[dict[Any, Any], Any, type, type]]:
     """See :func:`modelgraft._compat.rebind_class_tables`."""
-    log: list[tuple[dict, Any, type, type]] = []
+    log: list[tuple[dict[Any, Any], Any, type, type]] = []
     if not swapped:
         return log
     for name, table in list(vars(module).items()):
@@ -209,8 +213,11 @@ def defines_layout_moe(source: str) -> bool:
 
 def meta_device() -> AbstractContextManager[Any]:
     """See :func:`modelgraft._compat.meta_device`."""
-    from transformers.integrations.accelerate import init_empty_weights
+    # 4.x only; the 5.x line no longer has it (`unused-ignore`: type-checked on both lines)
+    from transformers.integrations.accelerate import (  # type: ignore[attr-defined, unused-ignore]
+        init_empty_weights,
+    )
 
     # Parameters only: with buffers included it enters `torch.device("meta")` as well, and a
     # buffer read while constructing (xIELU's `.item()`) would fail again. Buffers are small.
-    return init_empty_weights(include_buffers=False)
+    return cast(AbstractContextManager[Any], init_empty_weights(include_buffers=False))

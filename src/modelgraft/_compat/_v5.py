@@ -33,8 +33,8 @@ _lookup_wrappers = WrapGroup("recorders")
 _step_wrappers = WrapGroup("construction")
 
 
-def _wrap_registry_get(class_get: Callable[..., dict]) -> Callable[..., dict]:
-    def get(model: Any, *args: Any) -> dict:
+def _wrap_registry_get(class_get: Callable[..., dict[Any, Any]]) -> Callable[..., dict[Any, Any]]:
+    def get(model: Any, *args: Any) -> dict[Any, Any]:
         own = getattr(model, "__dict__", {}).get(_ATTR) if not args else None
         return own if own is not None else class_get(model, *args)
 
@@ -93,7 +93,7 @@ def moe_router_candidates(modules: Mapping[str, nn.Module]) -> Iterator[tuple[st
     return iter(())
 
 
-def rebind_class_tables(module: Any, swapped: Mapping[type, type]) -> list:
+def rebind_class_tables(module: Any, swapped: Mapping[type, type]) -> list[Any]:
     """See :func:`modelgraft._compat.rebind_class_tables`: nothing to do on 5.x."""
     return []
 

@@ -14,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelgraft._compat._version import HAS_BUILTIN_CONVERSION, IS_V5
 from modelgraft._compat.engine import ConversionEngine, Reversed
@@ -29,7 +29,7 @@ __all__ = [
     "uninstall",
 ]
 
-if IS_V5:
+if IS_V5 or TYPE_CHECKING:  # both lines share one interface; the checker reads the 5.x one
     from modelgraft._compat import _loading_v5 as _wiring
 else:
     from modelgraft._compat import _loading_v4 as _wiring

@@ -15,7 +15,7 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -47,7 +47,7 @@ def auto_model_class(kind: str, config: Any) -> type | None:
 
     auto = getattr(transformers, AUTO_KINDS[kind])
     try:
-        return auto._model_mapping[type(config)]
+        return cast(type, auto._model_mapping[type(config)])
     except KeyError:
         return None
 
@@ -73,10 +73,14 @@ def default_apply_gate() -> object | None:
         True
     """
     try:
-        from transformers.integrations.moe import _default_apply_gate as found  # lazy: MoE grafts only
+        # lazy: MoE grafts only. 5.x only: `unused-ignore` lets the one line type-check on both lines.
+        from transformers.integrations.moe import (  # type: ignore[import-not-found, unused-ignore]
+            _default_apply_gate as found,
+        )
     except ImportError:
         return None
-    return found
+    gate: object = found
+    return gate
 
 
 def revert_builtin_conversion(
@@ -93,11 +97,15 @@ def revert_builtin_conversion(
     if not HAS_BUILTIN_CONVERSION:
         return None
     from transformers import PreTrainedModel
-    from transformers.core_model_loading import revert_weight_conversion  # the unwrapped original
+
+    # the unwrapped original; 5.x only (`unused-ignore`: the line type-checks on both lines)
+    from transformers.core_model_loading import (  # type: ignore[import-not-found, unused-ignore]
+        revert_weight_conversion,
+    )
 
     if not isinstance(model, PreTrainedModel):
         return None
-    return revert_weight_conversion(model, dict(state))
+    return cast("dict[str, torch.Tensor]", revert_weight_conversion(model, dict(state)))
 
 
 def model_types_by_module() -> dict[str, list[str]]:
@@ -107,7 +115,9 @@ def model_types_by_module() -> dict[str, list[str]]:
         >>> "llama" in model_types_by_module()["llama"]
         True
     """
-    from transformers.models.auto.configuration_auto import (  # lazy: family discovery only
+    # lazy: family discovery only; CONFIG_MAPPING_NAMES is imported there, not re-exported (5.x;
+    # 4.57's module declares it, hence `unused-ignore`)
+    from transformers.models.auto.configuration_auto import (  # type: ignore[attr-defined, unused-ignore]
         CONFIG_MAPPING_NAMES,
         model_type_to_module_name,
     )

@@ -42,10 +42,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from modelgraft.conversion._plan import Group
+from modelgraft.conversion.keys import Pattern, PatternMatch
 from modelgraft.conversion.ops import (
     Chunk,
     Concatenate,
@@ -56,6 +58,9 @@ from modelgraft.conversion.ops import (
     Transpose,
 )
 from modelgraft.errors import ConversionShapeError
+
+if TYPE_CHECKING:  # only named in annotations
+    from modelgraft.conversion._hf_patterns import HFPattern
 
 __all__ = ["Expected", "check_sources", "expected_sources", "shapes_text"]
 
@@ -91,11 +96,11 @@ def _runs_to(ops: Sequence[object], sources: ShapeGroups, targets: ShapeGroups) 
 # Every layer of a model asks the same question; running the operations on meta tensors costs
 # about a millisecond, so the answer is kept (operations are immutable values).
 @functools.lru_cache(maxsize=256)
-def _runs_to_cached(ops: tuple, sources: tuple, targets: tuple) -> bool:
+def _runs_to_cached(ops: tuple[Any, ...], sources: tuple[Any, ...], targets: tuple[Any, ...]) -> bool:
     return _runs_to_uncached(ops, sources, targets)
 
 
-def _runs_to_uncached(ops: tuple, sources: tuple, targets: tuple) -> bool:
+def _runs_to_uncached(ops: tuple[Any, ...], sources: tuple[Any, ...], targets: tuple[Any, ...]) -> bool:
     tensors = [[torch.empty(s, device="meta") for s in group] for group in sources]
     target_shapes = [[torch.Size(s) for s in group] for group in targets]
     try:
@@ -225,11 +230,11 @@ def expected_sources(
     flat_shapes = [s for g in target_shapes for s in g]
     if not all(k in original and tuple(original[k]) == tuple(s) for k, s in zip(targets, flat_shapes)):
         return None
-    shapes = _equal_parts(ops, target_shapes, len(group.sources))
-    if shapes is None or not _runs_to(ops, shapes, target_shapes):
+    parts = _equal_parts(ops, target_shapes, len(group.sources))
+    if parts is None or not _runs_to(ops, parts, target_shapes):
         return None
     return Expected(
-        shapes,
+        parts,
         f"an equal part of `{targets[0]}` of the original {model_name}, as transformers' own conversion "
         "splits it when it saves",
     )
@@ -241,8 +246,8 @@ def _star_check(group: Group, name: Callable[[str], str]) -> None:
     starred = [(p, keys) for p, keys in zip(conv._sources, group.sources) if p.has_star and keys]
     count = max((len(keys) for _, keys in starred), default=0)
     for pattern, keys in starred:
-        matches = [pattern.match(k) for k in keys]
-        indices = {m.index for m in matches if m is not None}
+        matches = [_matched(pattern, k) for k in keys]
+        indices = {m.index for m in matches if m.index is not None}
         # Indices run 0, 1, ... and every `*` pattern of the group has as many as the longest.
         gaps = sorted(set(range(max(count, max(indices, default=-1) + 1))) - indices)
         if gaps:
@@ -260,7 +265,8 @@ def _star_check(group: Group, name: Callable[[str], str]) -> None:
 def _dtype_check(
     group: Group, dtypes: Sequence[Sequence[torch.dtype | None]], name: Callable[[str], str]
 ) -> None:
-    first_key, first = None, None
+    first_key: str = ""
+    first: torch.dtype | None = None
     for keys, kinds in zip(group.sources, dtypes):
         for key, dtype in zip(keys, kinds):
             if dtype is None:
@@ -274,6 +280,13 @@ def _dtype_check(
                     "them silently; re-save the checkpoint with one dtype for these tensors "
                     "(`tensor.to(dtype)`), then load with `dtype=` as usual."
                 )
+
+
+def _matched(pattern: Pattern | HFPattern, key: str) -> PatternMatch:
+    """The match of a key the plan already paired with ``pattern`` (so it always matches)."""
+    found = pattern.match(key)
+    assert found is not None, (pattern.text, key)
+    return found
 
 
 def check_sources(
@@ -295,8 +308,8 @@ def check_sources(
     conv = group.converter
     for pattern, keys, found, want in zip(conv._sources, group.sources, shapes, expected.shapes):
         if len(found) != len(want):
-            m = pattern.match(keys[0])
-            present = {pattern.match(k).index for k in keys}
+            m = _matched(pattern, keys[0])
+            present = {_matched(pattern, k).index for k in keys}
             absent = [i for i in range(len(want)) if i not in present]
             detail = (
                 f"`{name(pattern.build(m.prefix, m.suffix, absent[0]))}` is missing"

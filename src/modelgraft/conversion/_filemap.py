@@ -162,7 +162,9 @@ def map_ranges(
             os.close(fd)
         view.release()
     storage = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=lead).untyped_storage()
-    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))  # contiguous strides
+    # contiguous strides; torch's stubs lack the overload without a stride
+    mapped: torch.Tensor = torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))  # type: ignore[call-overload]
+    return mapped
 
 
 def _whole_pages(start: int, n: int) -> tuple[int, int]:
@@ -176,4 +178,4 @@ def _map_fixed(address: int, length: int, fd: int, offset: int) -> bool:
     assert _mmap_call is not None
     prot = mmap.PROT_READ | mmap.PROT_WRITE
     got = _mmap_call(address, length, prot, mmap.MAP_PRIVATE | _MAP_FIXED, fd, offset)
-    return got == address
+    return bool(got == address)

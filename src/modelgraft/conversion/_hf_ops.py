@@ -47,7 +47,9 @@ def is_transformers_operation(op: object) -> bool:
     return not isinstance(op, ConversionOperation) and callable(getattr(op, "convert", None))
 
 
-def adapt_operations(ops: Sequence[object], sources: Sequence[str], targets: Sequence[str]) -> tuple:
+def adapt_operations(
+    ops: Sequence[object], sources: Sequence[str], targets: Sequence[str]
+) -> tuple[object, ...]:
     """``ops`` with every transformers-protocol operation wrapped for this converter's patterns."""
     return tuple(
         TransformersOperation(op, tuple(sources), tuple(targets)) if is_transformers_operation(op) else op
@@ -84,7 +86,7 @@ def _as_groups(out: object, op: object, first: Sequence[str], second: Sequence[s
     return groups
 
 
-def _by_index(out: dict, patterns: Sequence[str]) -> TensorGroups | None:
+def _by_index(out: dict[Any, Any], patterns: Sequence[str]) -> TensorGroups | None:
     """Groups for outputs named by ``*`` patterns with the index filled in (``experts.3.w1``), if so."""
     starred = [(p, re.compile(re.escape(p).replace(r"\*", r"(\d+)") + "$")) for p in patterns if "*" in p]
     if not starred:

@@ -37,8 +37,12 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from modelgraft.errors import ConversionError
+
+if TYPE_CHECKING:  # imported where used at run time, as before
+    from modelgraft.conversion.keys import PatternMatch
 
 __all__ = ["HFPattern", "HFTargetPattern", "Renamed", "TransformMatcher", "is_plain_pattern", "target_text"]
 
@@ -145,7 +149,7 @@ class HFPattern:
         captured = m.group(self._user_group) if self._user_group is not None else None
         return Match(m.start(), m.end(), m.group(0), index, captured)
 
-    def match(self, key: str):  # -> PatternMatch | None (modelgraft.conversion.rules)
+    def match(self, key: str) -> PatternMatch | None:
         from modelgraft.conversion.keys import PatternMatch
 
         m = self.search(key)

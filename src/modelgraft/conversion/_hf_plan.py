@@ -25,11 +25,14 @@ import torch
 
 from modelgraft.conversion._groups import Group, Plan
 from modelgraft.conversion._hf_patterns import HFTargetPattern
-from modelgraft.conversion.keys import Pattern as _Pattern
+from modelgraft.conversion.keys import are_segment_patterns
 from modelgraft.conversion.rules import WeightConverter
 from modelgraft.errors import MissingSourceKeyError
 
 __all__ = ["natural_key", "plan_hf_groups", "rename_key"]
+
+#: One key's rename: (new key, source pattern, ``*`` index, prefix, suffix, captured group).
+_Found = tuple[str, int, int | None, str, str, str | None]
 
 
 def natural_key(key: str) -> list[tuple[int, int | str]]:
@@ -37,15 +40,14 @@ def natural_key(key: str) -> list[tuple[int, int | str]]:
     return [(0, int(p)) if p.isdigit() else (1, p) for p in key.split(".")]
 
 
-def _rename_plain(
-    conv: WeightConverter, key: str
-) -> tuple[str, int, int | None, str, str, str | None] | None:
+def _rename_plain(conv: WeightConverter, key: str) -> _Found | None:
     """A segment-pattern converter's rename of ``key``: the i-th source becomes the i-th target."""
+    assert are_segment_patterns(conv._targets)  # a converter without `_hf`
     for i, pattern in enumerate(conv._sources):
         m = pattern.match(key)
         if m is None:
             continue
-        target: _Pattern = conv._targets[min(i, len(conv._targets) - 1) if not conv.operations else 0]
+        target = conv._targets[min(i, len(conv._targets) - 1) if not conv.operations else 0]
         pre = f"{m.prefix}." if m.prefix else ""
         suf = f".{m.suffix}" if m.suffix else ""
         body = target.text if m.index is None else target.text.replace("*", str(m.index))
@@ -53,22 +55,25 @@ def _rename_plain(
     return None
 
 
-def _rename(conv: WeightConverter, key: str) -> tuple[str, int, int | None, str, str, str | None] | None:
+def _rename(conv: WeightConverter, key: str) -> _Found | None:
     if not conv._hf:
         return _rename_plain(conv, key)
+    matcher = conv._matcher
+    assert matcher is not None  # set whenever `_hf` is
     pair = not conv.operations and len(conv._targets) == len(conv._sources)
-    found = conv._matcher.rename(key)
+    found = matcher.rename(key)
     if found is None:
         return None
     if pair and found.source:
         # A renaming with as many targets as sources pairs them (transformers' GroupWeightRename).
-        found = conv._matcher.rename(key, target=found.source)
+        found = matcher.rename(key, target=found.source)
+        assert found is not None  # the key matched this source, and the paired target is the same
     return found.key, found.source, found.index, found.prefix, found.suffix, found.captured
 
 
 def rename_key(
     key: str, renamings: Sequence[WeightConverter], converters: Sequence[WeightConverter]
-) -> tuple[str, WeightConverter | None, tuple | None, list[WeightConverter]]:
+) -> tuple[str, WeightConverter | None, _Found | None, list[WeightConverter]]:
     """``key`` after every renaming in turn, then at most one converter.
 
     Returns the new key, the converter that matched (or ``None``) with its match, and the
@@ -89,6 +94,7 @@ def rename_key(
 
 def _guard_seen(renaming: WeightConverter, keys: Sequence[str]) -> bool:
     matcher = renaming._matcher
+    assert matcher is not None  # guarded renamings always have transformers' semantics
     for key in keys:
         scoped = matcher._scope(key)
         if scoped is not None and matcher.sources[0].search(scoped[1]) is not None:
@@ -96,11 +102,12 @@ def _guard_seen(renaming: WeightConverter, keys: Sequence[str]) -> bool:
     return False
 
 
-def _targets_of(conv: WeightConverter, found: tuple, keys: Sequence[str]) -> list[list[str]]:
+def _targets_of(conv: WeightConverter, found: _Found, keys: Sequence[str]) -> list[list[str]]:
     _name, _i, _index, prefix, suffix, captured = found
     if not conv._hf:  # a segment-pattern converter in an entry with transformers' semantics
         return [HFTargetPattern(t.text).expand(None, keys, prefix, suffix) for t in conv._targets]
-    return [t.expand(captured, keys, prefix, suffix) for t in conv._targets]
+    assert conv._matcher is not None  # set whenever `_hf` is; its targets are `conv._targets`
+    return [t.expand(captured, keys, prefix, suffix) for t in conv._matcher.targets]
 
 
 def _base_adjust(key: str, base: str | None, model_keys: set[str]) -> str:
@@ -115,7 +122,7 @@ def _base_adjust(key: str, base: str | None, model_keys: set[str]) -> str:
     return key
 
 
-def _shift(found: tuple, renamed: str, adjusted: str, base: str | None) -> tuple | None:
+def _shift(found: _Found, renamed: str, adjusted: str, base: str | None) -> _Found | None:
     """``found`` with its prefix moved by the base-prefix adjustment of ``renamed`` to ``adjusted``."""
     if adjusted == renamed:
         return found
@@ -149,7 +156,7 @@ def plan_hf_groups(
     convs = [c for c in converters if c.operations]
     # (converter position, renamed key) -> [(source pattern, index, checkpoint key)]
     collected: dict[tuple[int, str], list[tuple[int, int | None, str]]] = {}
-    matches: dict[tuple[int, str], tuple] = {}
+    matches: dict[tuple[int, str], _Found] = {}
     keys = sorted(source_shapes, key=natural_key)
     # A guarded group renaming (transformers' GroupWeightRename) acts only where its first source
     # pattern is present: a checkpoint already in the new layout is left as it is.
@@ -159,6 +166,7 @@ def plan_hf_groups(
         renamed, conv, found, fired = rename_key(key, renamings, convs)
         adjusted = _base_adjust(renamed, base_model_prefix, model_keys)
         if conv is not None:
+            assert found is not None  # rename_key returns the match with its converter
             found = _shift(found, renamed, adjusted, base_model_prefix)
             if found is None:
                 continue
@@ -170,6 +178,7 @@ def plan_hf_groups(
                 )
                 wanted.discard(renamed)
             continue
+        assert found is not None  # shifted above: a converter's match
         slot = (convs.index(conv), renamed)
         collected.setdefault(slot, []).append((found[1], found[2], key))
         matches.setdefault(slot, found)

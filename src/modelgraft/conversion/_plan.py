@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 
 from modelgraft.conversion._groups import Group, Plan
-from modelgraft.conversion.keys import bucket_keys
+from modelgraft.conversion.keys import are_segment_patterns, bucket_keys
 from modelgraft.conversion.ops import ConversionContext, ShapeGroups, TensorGroups
 from modelgraft.conversion.rules import WeightConverter
 from modelgraft.errors import ConversionShapeError, IrreversibleConversionError, MissingSourceKeyError
@@ -59,6 +59,7 @@ def plan_groups(
     target_keys = list(target_keys)
     taken: set[str] = set()
     for conv in converters:
+        assert are_segment_patterns(conv._targets) and are_segment_patterns(conv._sources)  # no `_hf` here
         tgt_buckets = bucket_keys(conv._targets, (k for k in target_keys if k not in taken))
         if not tgt_buckets:
             continue
@@ -205,9 +206,10 @@ def run_reverse(group: Group, tensors: TensorGroups) -> TensorGroups:
 
     for op in ops:
         if not op.is_reversible:
-            wrapped = isinstance(op, TransformersOperation)
             shown, method = (
-                (type(op.op).__name__, "reverse_op") if wrapped else (type(op).__name__, "reverse")
+                (type(op.op).__name__, "reverse_op")
+                if isinstance(op, TransformersOperation)
+                else (type(op).__name__, "reverse")
             )
             raise IrreversibleConversionError(
                 f"Converter {group.converter!r} cannot write the original layout of `{group.flat_targets[0]}`: "

@@ -23,6 +23,7 @@ import os
 import struct
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from typing import cast
 
 import torch
 from safetensors import safe_open
@@ -93,7 +94,7 @@ _DTYPES = {
 class SafetensorsFile:
     """The header of one safetensors file, and positional reads of its tensors."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         with open(self.path, "rb") as fh:
             (length,) = struct.unpack("<Q", fh.read(8))
@@ -126,7 +127,7 @@ class SafetensorsFile:
         dtype = self.dtype(key)
         if dtype is None:
             with safe_open(self.path, framework="pt") as f:
-                return f.get_tensor(key)
+                return cast(torch.Tensor, f.get_tensor(key))
         out = torch.empty(self.shape(key), dtype=dtype)
         if out.numel():
             self.read_into(key, out)
@@ -166,7 +167,7 @@ _Job = tuple[str, memoryview, int, str]  # (path, destination, file offset, what
 
 
 def _jobs(ranges: Sequence[tuple[str, int, int]], out: torch.Tensor, what: str) -> list[_Job]:
-    buffer = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+    buffer = out.view(-1).view(torch.uint8).numpy().data if out.numel() else memoryview(b"")
     total = sum(n for _, _, n in ranges)
     if buffer.nbytes != total:
         raise ValueError(f"`{what}` holds {total} bytes; the destination holds {buffer.nbytes}.")

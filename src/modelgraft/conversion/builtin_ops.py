@@ -50,7 +50,8 @@ def _single(value: Any, op: str) -> torch.Tensor:
         return value
     if len(value) != 1:
         raise ConversionError(f"`{op}` expects one tensor per pattern; received {len(value)}.")
-    return value[0]
+    first: torch.Tensor = value[0]  # a caller's list of tensors (transformers' protocol is untyped)
+    return first
 
 
 def _output_key(key: str, sources: Sequence[str] | None, targets: Sequence[str] | None) -> str:
@@ -81,7 +82,11 @@ class ConversionOps:
     """
 
     def convert(
-        self, input_dict: TensorDict, source_patterns=None, target_patterns=None, **kwargs
+        self,
+        input_dict: TensorDict,
+        source_patterns: Sequence[str] | None = None,
+        target_patterns: Sequence[str] | None = None,
+        **kwargs: Any,
     ) -> TensorDict:
         raise NotImplementedError(
             f"`{type(self).__name__}` must implement `convert(input_dict, source_patterns, ...)`."
@@ -102,7 +107,7 @@ class _Op(ConversionOps):
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self._fields().items())})"
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and self._fields() == other._fields()  # type: ignore[attr-defined]
+        return type(other) is type(self) and self._fields() == other._fields()
 
     def __hash__(self) -> int:
         return hash((type(self), repr(self)))
@@ -122,7 +127,11 @@ class Conv3dToLinear(_Op):
         self.kernel_size = tuple(kernel_size)
 
     def convert(
-        self, input_dict: TensorDict, source_patterns=None, target_patterns=None, **kwargs
+        self,
+        input_dict: TensorDict,
+        source_patterns: Sequence[str] | None = None,
+        target_patterns: Sequence[str] | None = None,
+        **kwargs: Any,
     ) -> TensorDict:
         (key, value), *rest = input_dict.items()
         if rest:
@@ -156,7 +165,11 @@ class LinearToConv3d(_Op):
         self.kernel_size = tuple(kernel_size)
 
     def convert(
-        self, input_dict: TensorDict, source_patterns=None, target_patterns=None, **kwargs
+        self,
+        input_dict: TensorDict,
+        source_patterns: Sequence[str] | None = None,
+        target_patterns: Sequence[str] | None = None,
+        **kwargs: Any,
     ) -> TensorDict:
         (key, value), *rest = input_dict.items()
         if rest:
@@ -183,7 +196,7 @@ def _heads(config: Any, subconfig_key: str | None, num_heads: int | None, op: st
     if config is not None:
         if subconfig_key is not None:
             config = getattr(config, subconfig_key, config)
-        heads = getattr(config, "num_attention_heads", None)
+        heads: int | None = getattr(config, "num_attention_heads", None)
         if heads is not None:
             return heads
     raise ConversionError(
@@ -246,7 +259,12 @@ class PermuteForRope(_Op):
         return permute_for_rope(tensor, heads, self.inverse)
 
     def convert(
-        self, input_dict: TensorDict, source_patterns=None, target_patterns=None, config: Any = None, **kwargs
+        self,
+        input_dict: TensorDict,
+        source_patterns: Sequence[str] | None = None,
+        target_patterns: Sequence[str] | None = None,
+        config: Any = None,
+        **kwargs: Any,
     ) -> TensorDict:
         out: TensorDict = {}
         for key, value in input_dict.items():
@@ -282,7 +300,12 @@ class VisionUnfuseAndPermuteForRope(PermuteForRope):
         self.dim = dim
 
     def convert(
-        self, input_dict: TensorDict, source_patterns=None, target_patterns=None, config: Any = None, **kwargs
+        self,
+        input_dict: TensorDict,
+        source_patterns: Sequence[str] | None = None,
+        target_patterns: Sequence[str] | None = None,
+        config: Any = None,
+        **kwargs: Any,
     ) -> TensorDict:
         if len(input_dict) != 1 or not target_patterns or len(target_patterns) < 2:
             raise ConversionError(
@@ -319,7 +342,12 @@ class VisionFuseAndPermuteForRope(PermuteForRope):
         self.dim = dim
 
     def convert(
-        self, input_dict: TensorDict, source_patterns=None, target_patterns=None, config: Any = None, **kwargs
+        self,
+        input_dict: TensorDict,
+        source_patterns: Sequence[str] | None = None,
+        target_patterns: Sequence[str] | None = None,
+        config: Any = None,
+        **kwargs: Any,
     ) -> TensorDict:
         if not target_patterns or len(target_patterns) != 1:
             raise ConversionError("`VisionFuseAndPermuteForRope` fuses its sources into one target.")
@@ -353,7 +381,11 @@ class ErnieFuseAndSplitTextVisionExperts(_Op):
         self.concat_dim = concat_dim
 
     def convert(
-        self, input_dict: TensorDict, source_patterns=None, target_patterns=None, **kwargs
+        self,
+        input_dict: TensorDict,
+        source_patterns: Sequence[str] | None = None,
+        target_patterns: Sequence[str] | None = None,
+        **kwargs: Any,
     ) -> TensorDict:
         sources = list(source_patterns or input_dict)
         targets = list(target_patterns or [])
@@ -389,7 +421,11 @@ class ErnieSplitAndDecoupleTextVisionExperts(_Op):
         self.concat_dim = concat_dim
 
     def convert(
-        self, input_dict: TensorDict, source_patterns=None, target_patterns=None, **kwargs
+        self,
+        input_dict: TensorDict,
+        source_patterns: Sequence[str] | None = None,
+        target_patterns: Sequence[str] | None = None,
+        **kwargs: Any,
     ) -> TensorDict:
         fused_keys = list(source_patterns or input_dict)
         outputs = list(target_patterns or [])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from modelgraft.conversion.rules import WeightRenaming
 from modelgraft.errors import ConversionError
@@ -36,6 +37,10 @@ class PrefixChange(WeightRenaming):
 
     __slots__ = ("model_prefix", "prefix_to_add", "prefix_to_remove")
     always_transformers_semantics = True
+
+    prefix_to_add: str | None
+    prefix_to_remove: str | None
+    model_prefix: str
 
     def __init__(
         self,
@@ -57,6 +62,7 @@ class PrefixChange(WeightRenaming):
             added = re.escape(prefix_to_add)
             super().__init__(rf"^{lead}(?!{added}\.)(.+)", rf"{kept}{prefix_to_add}.\1")
         else:
+            assert prefix_to_remove is not None  # exactly one of the two, checked above
             super().__init__(rf"^{lead}{re.escape(prefix_to_remove)}\.(.+)", rf"{kept}\1")
 
     def __repr__(self) -> str:
@@ -68,14 +74,16 @@ class PrefixChange(WeightRenaming):
         where = f", model_prefix={self.model_prefix!r}" if self.model_prefix else ""
         return f"PrefixChange({what}{where})"
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         return (
             _rebuild_prefix_change,
             (self.prefix_to_add, self.prefix_to_remove, self.model_prefix, self._scope()),
         )
 
 
-def _rebuild_prefix_change(add, remove, model_prefix, scope) -> PrefixChange:
+def _rebuild_prefix_change(
+    add: str | None, remove: str | None, model_prefix: str, scope: tuple[str | None, str | None]
+) -> PrefixChange:
     change = PrefixChange(add, remove, model_prefix or None)
     if scope != (None, None):
         change.scope_prefix, change.base_model_prefix = scope

@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch
 
@@ -86,6 +87,15 @@ def as_patterns(value: str | Sequence[str], what: str) -> tuple[str, ...]:
     if not items or not all(isinstance(p, str) for p in items):
         raise ConversionError(f"`{what}` must be a non-empty string or list of strings; received {value!r}.")
     return items
+
+
+def are_segment_patterns(patterns: Sequence[object]) -> TypeGuard[Sequence[Pattern]]:
+    """Whether every one of ``patterns`` is a segment :class:`Pattern`.
+
+    True of every converter without transformers' semantics (``_hf``); the plan's segment path
+    asserts it so that the type checker knows which patterns it holds.
+    """
+    return all(isinstance(p, Pattern) for p in patterns)
 
 
 def bucket_keys(

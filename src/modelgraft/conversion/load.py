@@ -62,7 +62,7 @@ def _set_tensor(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
     if leaf in parent._parameters:
         old = parent._parameters[leaf]
         new = torch.nn.Parameter(value, requires_grad=old.requires_grad if old is not None else True)
-        new._is_hf_initialized = True  # transformers' init skips tensors carrying this flag
+        new._is_hf_initialized = True  # type: ignore[attr-defined]  # transformers' init skips tensors carrying this flag
         parent._parameters[leaf] = new
     else:
         value._is_hf_initialized = True  # type: ignore[attr-defined]
@@ -74,7 +74,7 @@ def apply_load_conversions(
     checkpoint_files: Sequence[str] | None,
     missing_keys: set[str],
     unexpected_keys: set[str],
-    device_for: Callable[[str], torch.device | str] = lambda _key: "cpu",
+    device_for: Callable[[str], torch.device | str | int] = lambda _key: "cpu",
     rename: Callable[[str], str] | None = None,
     offload: Callable[[str, torch.Tensor], None] | None = None,
     place: Callable[[str, torch.Tensor], bool] | None = None,
@@ -107,7 +107,7 @@ def apply_load_conversions(
     object.__setattr__(model, STATE_ATTR, state)
     if not checkpoint_files and not from_memory:
         return state
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     params.update(dict(model.named_buffers(remove_duplicate=False)))
     source: TensorSource
     if state_dict is not None:
@@ -219,7 +219,7 @@ def _run_group(
     group: Group,
     params: Mapping[str, torch.Tensor],
     locate: Callable[[str], tuple[TensorSource, str]],
-    device_for: Callable[[str], torch.device | str],
+    device_for: Callable[[str], torch.device | str | int],
     offload: Callable[[str, torch.Tensor], None] | None,
     place: Callable[[str, torch.Tensor], bool] | None = None,
     name: Callable[[str], str] = lambda key: key,
@@ -284,6 +284,8 @@ def _rearranged_targets(
                 return None
             layouts.append(layout)
         sources.append(layouts)
+    if dtype is None:  # no sources at all: nothing to map
+        return None
     converted = convert_layouts(group.converter.operations, sources)
     if converted is None or len(converted) != len(group.targets):
         return None

@@ -263,7 +263,8 @@ class MergeModulelist(ConversionOperation):
         if self.dim != 0:
             return None
         stacked = [stack(group) if group else None for group in layouts]
-        return None if any(layout is None for layout in stacked) else [[layout] for layout in stacked]  # type: ignore[misc]
+        whole = [layout for layout in stacked if layout is not None]
+        return None if len(whole) != len(stacked) else [[layout] for layout in whole]
 
     def reverse(self, tensors: TensorGroups, context: ConversionContext) -> TensorGroups:
         return SplitModulelist(self.dim).convert(tensors, context)

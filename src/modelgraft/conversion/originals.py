@@ -20,6 +20,7 @@ import contextvars
 import copy
 from collections import OrderedDict
 from collections.abc import Iterator
+from typing import Any, cast
 
 import torch
 
@@ -43,7 +44,7 @@ def cached_original_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
     on the class and the config, so the last few are kept.
     """
     try:
-        key: tuple[type, str] | None = (type(model), model.config.to_json_string())
+        key: tuple[type, str] | None = (type(model), cast(Any, model).config.to_json_string())
     except (AttributeError, TypeError, ValueError):  # no config, or one JSON cannot hold: not kept
         key = None
     with _originals_lock:

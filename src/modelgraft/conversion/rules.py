@@ -27,11 +27,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 from modelgraft import _compat, registry
 from modelgraft.conversion.keys import Pattern, as_patterns
 from modelgraft.conversion.ops import ConversionOperation
 from modelgraft.errors import ConversionError
+
+if TYPE_CHECKING:  # imported where used at run time: _hf_patterns builds on this module's patterns
+    from modelgraft.conversion._hf_patterns import HFPattern, HFTargetPattern, TransformMatcher
 
 __all__ = [
     "WeightConverter",
@@ -85,6 +89,17 @@ class WeightConverter:
         "target_patterns",
     )
 
+    source_patterns: tuple[str, ...]
+    target_patterns: tuple[str, ...]
+    operations: tuple[ConversionOperation, ...]
+    scope_prefix: str | None
+    base_model_prefix: str | None
+    # Segment patterns, or (with transformers' semantics, ``_hf``) the matcher's compiled patterns.
+    _hf: bool
+    _matcher: TransformMatcher | None
+    _sources: tuple[Pattern | HFPattern, ...]
+    _targets: tuple[Pattern | HFTargetPattern, ...]
+
     def __init__(
         self,
         source_patterns: str | Sequence[str],
@@ -127,16 +142,18 @@ class WeightConverter:
                 f"A converter without operations renames one to one, but `{list(sources)}` -> "
                 f"`{list(targets)}` differ in length. Add operations (e.g. `Concatenate(dim=0)`)."
             )
+        matcher: TransformMatcher | None
+        compiled: tuple[tuple[Pattern | HFPattern, ...], tuple[Pattern | HFTargetPattern, ...]]
         if hf:
             matcher = TransformMatcher(sources, targets, self.scope_prefix, self.base_model_prefix)
-            pair = (matcher.sources, matcher.targets)
+            compiled = (matcher.sources, matcher.targets)
         else:
             matcher = None
-            pair = (tuple(Pattern(p) for p in sources), tuple(Pattern(p) for p in targets))
+            compiled = (tuple(Pattern(p) for p in sources), tuple(Pattern(p) for p in targets))
         object.__setattr__(self, "_hf", hf)
         object.__setattr__(self, "_matcher", matcher)
-        object.__setattr__(self, "_sources", pair[0])
-        object.__setattr__(self, "_targets", pair[1])
+        object.__setattr__(self, "_sources", compiled[0])
+        object.__setattr__(self, "_targets", compiled[1])
 
     def __setattr__(self, name: str, value: object) -> None:
         if name in ("scope_prefix", "base_model_prefix"):
@@ -166,17 +183,19 @@ class WeightConverter:
     def __copy__(self) -> WeightConverter:
         return self
 
-    def __deepcopy__(self, memo: dict) -> WeightConverter:
+    def __deepcopy__(self, memo: dict[Any, Any]) -> WeightConverter:
         return self
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         return (
             _rebuild_converter,
             (type(self), self.source_patterns, self.target_patterns, self.operations, self._scope()),
         )
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and self._key() == other._key()  # type: ignore[attr-defined]
+        return (
+            isinstance(other, WeightConverter) and type(other) is type(self) and self._key() == other._key()
+        )
 
     def __hash__(self) -> int:
         return hash(self._key())
@@ -184,7 +203,7 @@ class WeightConverter:
     def _scope(self) -> tuple[str | None, str | None]:
         return (self.scope_prefix, self.base_model_prefix)
 
-    def _key(self) -> tuple:
+    def _key(self) -> tuple[Any, ...]:
         return (self.source_patterns, self.target_patterns, self.operations, self._scope())
 
     @property
@@ -211,7 +230,7 @@ def _rebuild_converter(
     cls: type[WeightConverter],
     sources: tuple[str, ...],
     targets: tuple[str, ...],
-    operations: tuple,
+    operations: tuple[Any, ...],
     scope: tuple[str | None, str | None] = (None, None),
 ) -> WeightConverter:
     converter = object.__new__(cls)
@@ -383,14 +402,15 @@ def isolated_conversions() -> Iterator[None]:
         yield
 
 
-class _GlobalConversions(MutableMapping):
+class _GlobalConversions(MutableMapping[str, Any]):
     """The global conversion entries as a dict-like view (reads and writes go through the registry).
 
     For tests that save and restore the global state; code registers through the functions above.
     """
 
     def __getitem__(self, key: str) -> Conversions:
-        return registry._global_entries(registry.CONVERSIONS)[key]
+        entries: Conversions = registry._global_entries(registry.CONVERSIONS)[key]
+        return entries
 
     def __setitem__(self, key: str, value: Sequence[WeightConverter]) -> None:
         register_checkpoint_conversion_mapping(key, value, overwrite=True)

@@ -35,7 +35,7 @@ GRAFT_ATTR = "_modelgraft_graft_stages"
 
 
 def _state(model: torch.nn.Module) -> ConversionState | None:
-    state = model.__dict__.get(STATE_ATTR)
+    state: ConversionState | None = model.__dict__.get(STATE_ATTR)
     if state is not None:
         return state
     scopes = resolve_scopes(model)

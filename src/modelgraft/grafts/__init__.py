@@ -18,7 +18,12 @@ Example:
 
 from __future__ import annotations
 
-from modelgraft.errors import GraftConflictError, UnsupportedFamilyError
+from modelgraft.errors import (
+    ExpertsAdapterError,
+    ExpertsImplementationError,
+    GraftConflictError,
+    UnsupportedFamilyError,
+)
 from modelgraft.graft import Graft
 from modelgraft.grafts._fused import FusedSlice, FusionError
 from modelgraft.grafts.chunked_loss import (
@@ -44,6 +49,8 @@ __all__ = [
     "FUSED_QKV_FAMILIES",
     "LINEAR_EXPERTS_FAMILIES",
     "DoubleBackwardError",
+    "ExpertsAdapterError",
+    "ExpertsImplementationError",
     "FusedSlice",
     "FusionError",
     "Graft",

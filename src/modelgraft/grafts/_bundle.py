@@ -111,7 +111,8 @@ def meta_model(model_type: str) -> nn.Module:
             "grafts support model types that `AutoModel` can build."
         )
     with _META_LOCK, _compat.meta_device():
-        return model_class(config)
+        model: nn.Module = model_class(config)
+    return model
 
 
 def original_class(cls: type[nn.Module]) -> type[nn.Module]:
@@ -222,7 +223,7 @@ def _builtin_conversions(model_type: str) -> tuple[Any, ...]:
             if open_ended:
                 from_regex.append((open_ended[0], targets))
             continue
-        ops = []
+        ops: list[MergeModulelist | Concatenate] = []
         for op in entry.operations:
             name = type(op).__name__
             if name == "MergeModulelist":

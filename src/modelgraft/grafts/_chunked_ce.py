@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from modelgraft.errors import GraftError
+from modelgraft.errors import DoubleBackwardError, LossInputError
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
@@ -52,14 +52,6 @@ __all__ = [
 
 #: A chunk holds at most this many logits (128 MiB in float32) unless a chunk size is given.
 DEFAULT_CHUNK_ELEMENTS = 1 << 25
-
-
-class LossInputError(GraftError, ValueError):
-    """Labels or arguments that the chunked loss cannot take (``modelgraft.grafts``)."""
-
-
-class DoubleBackwardError(GraftError, RuntimeError):
-    """A backward with ``create_graph=True`` through the chunked loss (its gradients are precomputed)."""
 
 
 @dataclass(frozen=True)
@@ -210,7 +202,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(
             grad_h,
             None if grad_w is None else grad_w.to(weight.dtype),
-            None if grad_b is None else grad_b.to(bias.dtype),
+            None if grad_b is None or bias is None else grad_b.to(bias.dtype),
         )
         return total / divisor
 
@@ -295,9 +287,10 @@ def linear_cross_entropy(
         divisor = torch.as_tensor(num_items_in_batch, device=hidden.device).to(loss_dtype)
     params = (hidden, weight) if bias is None else (hidden, weight, bias)
     if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-        return _LinearCrossEntropy.apply(
+        loss: torch.Tensor = _LinearCrossEntropy.apply(  # type: ignore[no-untyped-call]  # untyped in torch
             hidden, weight, bias, targets, divisor, transform, ignore_index, chunk, loss_dtype
         )
+        return loss
     total, *_ = _chunks(
         hidden, weight, bias, targets, transform, ignore_index, chunk, None, (False,) * 3, loss_dtype
     )

@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import threading
 from dataclasses import dataclass
+from typing import Any, TypeGuard, cast
 
 import torch
 from torch import nn
@@ -91,7 +92,8 @@ class _FusionGroup:
         self._local = threading.local()
 
     def fused(self) -> nn.Module:
-        return getattr(self.owner, self.fused_name)
+        fused: nn.Module = getattr(self.owner, self.fused_name)
+        return fused
 
     def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
         fused = self.fused()
@@ -145,23 +147,24 @@ class _FusionGroup:
             )
 
     def part_module(self, index: int) -> nn.Module | None:
-        return self.__dict__.get("_parts", {}).get(index)
+        part: nn.Module | None = self.__dict__.get("_parts", {}).get(index)
+        return part
 
     def _traced_part(self, fused: nn.Module, x: torch.Tensor, index: int) -> torch.Tensor:
         # Under torch.compile the identity of ``x`` is known while tracing, but version counters
         # are not; a compiled graph always runs with the weights it is given, so identity is enough.
-        traced = self.__dict__.get("_traced")
+        traced: tuple[torch.Tensor, tuple[torch.Tensor, ...], set[int]] | None = self.__dict__.get("_traced")
         if traced is not None and traced[0] is x and index in traced[2]:
             traced[2].discard(index)
             if not traced[2]:
                 self._traced = None
             return traced[1][index]
-        parts = tuple(fused(x).split(self.sizes, dim=-1))
+        parts: tuple[torch.Tensor, ...] = tuple(fused(x).split(self.sizes, dim=-1))
         self._traced = (x, parts, set(range(len(parts))) - {index})
         return parts[index]
 
 
-def _plain_linear(fused: nn.Module, x: torch.Tensor) -> bool:
+def _plain_linear(fused: nn.Module, x: torch.Tensor) -> TypeGuard[nn.Linear]:
     """Whether ``fused`` is an untouched ``nn.Linear`` that :func:`split_linear` may run for it.
 
     Anything else keeps going through ``fused(x)``: a quantizer's or adapter's own layer, hooks
@@ -248,11 +251,14 @@ class _PartWeight(torch.Tensor):
     """
 
     # Results of operations on it are plain tensors: only this object writes through.
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's stubs differ
 
     @property
-    def data(self) -> torch.Tensor:  # type: ignore[override]
-        return torch._C.TensorBase.data.__get__(self)
+    def data(self) -> torch.Tensor:
+        # The stubs type `TensorBase.data` as a tensor; on the class it is the C getter (a descriptor).
+        getter = cast(Any, torch._C.TensorBase.data)
+        plain: torch.Tensor = getter.__get__(self)
+        return plain
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
@@ -326,15 +332,15 @@ class FusedSlice(nn.Linear):
         return slice(start, start + self._group.sizes[self._index])
 
     @property
-    def weight(self) -> torch.Tensor:  # type: ignore[override]
-        return _part_view(self._group.fused().weight, self._span())
+    def weight(self) -> torch.Tensor:
+        return _part_view(cast(torch.Tensor, self._group.fused().weight), self._span())
 
     @weight.setter
     def weight(self, value: torch.Tensor) -> None:
         self._refuse_assignment("weight", value, self.weight)
 
-    @property
-    def bias(self) -> torch.Tensor | None:  # type: ignore[override]
+    @property  # type: ignore[override]  # a part's bias is a view of the fused bias, not a Parameter
+    def bias(self) -> torch.Tensor | None:
         bias = getattr(self._group.fused(), "bias", None)
         return None if bias is None else _part_view(bias, self._span())
 
@@ -393,8 +399,9 @@ def can_fuse_linears(module: nn.Module, names: tuple[str, ...]) -> bool:
         >>> can_fuse_linears(block, ("a", "b")), can_fuse_linears(block, ("a", "c"))
         (True, False)
     """
-    layers = [getattr(module, name, None) for name in names]
-    if not all(type(layer) is nn.Linear for layer in layers):
+    found = [getattr(module, name, None) for name in names]
+    layers = [layer for layer in found if type(layer) is nn.Linear]
+    if len(layers) != len(found):
         return False
     with_bias = {layer.bias is not None for layer in layers}
     return len({layer.in_features for layer in layers}) == 1 and len(with_bias) == 1
@@ -487,17 +494,20 @@ def fused_subclass(
             fuse_linears(self, names, fused_name)
 
         name = f"{prefix}{base.__name__}"
-        cls = GraftedClass(
-            name,
-            (base,),
-            {
-                "__init__": __init__,
-                "__doc__": f"`{base.__name__}` with {', '.join(names)} fused into one `{fused_name}`.",
-                "__qualname__": name,
-                "_modelgraft_original": base,
-                "_modelgraft_fused": (names, fused_name),
-                RECIPE_ATTR: (fused_subclass, (base, names, fused_name, prefix)),
-            },
+        cls = cast(
+            "type[nn.Module]",
+            GraftedClass(
+                name,
+                (base,),
+                {
+                    "__init__": __init__,
+                    "__doc__": f"`{base.__name__}` with {', '.join(names)} fused into one `{fused_name}`.",
+                    "__qualname__": name,
+                    "_modelgraft_original": base,
+                    "_modelgraft_fused": (names, fused_name),
+                    RECIPE_ATTR: (fused_subclass, (base, names, fused_name, prefix)),
+                },
+            ),
         )
         _SUBCLASSES[key] = cls
         return cls

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from modelgraft.errors import UnsupportedFamilyError
+from modelgraft.errors import ExpertsImplementationError  # defined there with every error; this path kept
 
 __all__ = [
     "EXPERTS_IMPLEMENTATIONS",
@@ -52,10 +52,6 @@ __all__ = [
 
 #: The ``experts_implementation`` values per-expert layers run exactly (``None``: not set).
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager")
-
-
-class ExpertsImplementationError(UnsupportedFamilyError):
-    """``linear_experts`` cannot run the requested ``experts_implementation`` (``modelgraft.grafts``)."""
 
 
 def check_implementation(module: nn.Module) -> str:
@@ -189,7 +185,8 @@ def grouped_linear_forward(
     weight = layers[0][0].weight
     tokens = hidden_states[perm[:rows] // top_k].to(weight.dtype)
     # (E, 2I, H): gate rows then up rows of each expert, the fused layout, in one copy.
-    gate_up = torch.stack([w.weight for g, u, _ in layers for w in (g, u)]).unflatten(0, (num_experts, 2))
+    stacked = torch.stack([w.weight for g, u, _ in layers for w in (g, u)])
+    gate_up = stacked.unflatten(0, (num_experts, 2))  # type: ignore[no-untyped-call]  # untyped in torch
     gate_up = gate_up.flatten(1, 2)
     down = torch.stack([d.weight for _, _, d in layers])
     biased = layers[0][0].bias is not None

@@ -21,7 +21,7 @@ import functools
 import inspect
 import textwrap
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from modelgraft.errors import UnsupportedFamilyError
 from modelgraft.grafts._chunked_ce import LogitTransform
@@ -155,7 +155,7 @@ def _loss_call(stmt: ast.stmt) -> str | None:
         return None
     if _canon(ast.unparse(spread[0].value)) != "kwargs":
         return None
-    if not all(isinstance(bound[n], ast.Name) and bound[n].id == n for n in ("logits", "labels")):
+    if not all(isinstance(node := bound[n], ast.Name) and node.id == n for n in ("logits", "labels")):
         return None
     return _VOCAB.get(ast.unparse(bound["vocab_size"]))
 
@@ -189,7 +189,7 @@ def read_head(causal_lm_class: type) -> HeadSpec:
             or does anything after it that is not recognised (the statement is quoted).
     """
     name = causal_lm_class.__name__
-    forward = inspect.unwrap(causal_lm_class.forward)
+    forward = inspect.unwrap(cast(Any, causal_lm_class).forward)  # a model class, typed as any class
     try:
         source = textwrap.dedent(inspect.getsource(forward))
     except (OSError, TypeError):

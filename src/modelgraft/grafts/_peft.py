@@ -39,13 +39,9 @@ from typing import Any
 from torch import nn
 
 from modelgraft._forksafe import ForkSafeLock
-from modelgraft.errors import UnsupportedFamilyError
+from modelgraft.errors import ExpertsAdapterError  # defined there with every error; this path kept
 
 __all__ = ["ExpertsAdapterError", "ensure_installed", "installed", "uninstall"]
-
-
-class ExpertsAdapterError(UnsupportedFamilyError):
-    """A PEFT adapter of fused 3D experts met a model whose experts ``linear_experts`` split."""
 
 
 _WRAPPED = "__modelgraft_wrapped__"
@@ -233,7 +229,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         if fullname not in _PATCHES:
             return None
         for finder in _other_finders():
-            spec = finder.find_spec(fullname, path, target)  # type: ignore[attr-defined]
+            spec: importlib.machinery.ModuleSpec | None = finder.find_spec(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
                     spec.loader = _PatchingLoader(spec.loader)

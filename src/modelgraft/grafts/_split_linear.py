@@ -34,8 +34,9 @@ __all__ = ["split_linear"]
 def _parts(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int, ...]
 ) -> tuple[torch.Tensor, ...]:
-    biases = bias.split(sizes) if bias is not None else (None,) * len(sizes)
-    return tuple(F.linear(x, w, b) for w, b in zip(weight.split(sizes), biases, strict=True))
+    # Tensor.split is untyped in torch
+    biases = bias.split(sizes) if bias is not None else (None,) * len(sizes)  # type: ignore[no-untyped-call]
+    return tuple(F.linear(x, w, b) for w, b in zip(weight.split(sizes), biases, strict=True))  # type: ignore[no-untyped-call]
 
 
 class _SplitLinear(torch.autograd.Function):
@@ -128,5 +129,6 @@ def split_linear(
     sizes = tuple(sizes)
     params = (x, weight) if bias is None else (x, weight, bias)
     if torch.is_grad_enabled() and any(t.requires_grad for t in params):
-        return _SplitLinear.apply(x, weight, bias, sizes)
+        parts: tuple[torch.Tensor, ...] = _SplitLinear.apply(x, weight, bias, sizes)  # type: ignore[no-untyped-call]
+        return parts
     return _parts(x, weight, bias, sizes)  # nothing to differentiate: skip the autograd node

@@ -41,7 +41,8 @@ from __future__ import annotations
 import inspect
 import threading
 import warnings
-from typing import Any
+from collections.abc import Hashable
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -81,7 +82,7 @@ _PREFIX = "ChunkedLoss"
 
 def _grafted_original(cls: type) -> type:
     for klass in cls.__mro__:
-        original = klass.__dict__.get("_modelgraft_original")
+        original: type | None = klass.__dict__.get("_modelgraft_original")
         if original is not None:
             return original
     raise TypeError(f"`{cls.__name__}` is not a chunked-loss class")  # unreachable for our classes
@@ -197,7 +198,7 @@ def _chunked_forward(model: nn.Module, plain: Any, spec: HeadSpec, bound: inspec
         captured.append(inputs[0])
         return (inputs[0].narrow(-2, 0, 0), *inputs[1:])
 
-    handle = model.lm_head.register_forward_pre_hook(take_input)
+    handle = cast(nn.Module, model.lm_head).register_forward_pre_hook(take_input)
     try:
         out = plain(*bound.args, **bound.kwargs)
     finally:
@@ -215,7 +216,7 @@ def _chunked_forward(model: nn.Module, plain: Any, spec: HeadSpec, bound: inspec
             f"hold {targets.numel()} (labels {tuple(labels.shape)}). Pass labels with one entry per position the "
             "head computes (with `logits_to_keep`, per kept position); plain transformers fails here too."
         )
-    head = model.lm_head
+    head = cast(nn.Linear, model.lm_head)  # an nn.Linear, or a layer with its weight and bias
     loss = linear_cross_entropy(
         flat,
         head.weight,
@@ -224,7 +225,7 @@ def _chunked_forward(model: nn.Module, plain: Any, spec: HeadSpec, bound: inspec
         ignore_index=ignore_index,
         num_items_in_batch=extra.get("num_items_in_batch"),
         transform=spec.transform(model),
-        chunk_size=type(model)._modelgraft_chunk_size,
+        chunk_size=cast(Any, type(model))._modelgraft_chunk_size,
     )
     aux_loss = getattr(out, "aux_loss", None) if spec.aux_loss else None
     if aux_loss is not None:
@@ -235,7 +236,7 @@ def _chunked_forward(model: nn.Module, plain: Any, spec: HeadSpec, bound: inspec
 
 
 def _make_forward(original: type) -> Any:
-    plain = original.forward
+    plain = cast(Any, original).forward  # a model class, typed as any class
     signature = inspect.signature(plain)
 
     def forward(self: nn.Module, *args: Any, skip_logits: bool | None = None, **kwargs: Any) -> Any:
@@ -274,7 +275,7 @@ def _save_pretrained(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     grafted = type(self)
     self.__class__ = _grafted_original(grafted)
     try:
-        return self.save_pretrained(*args, **kwargs)
+        return cast(Any, self).save_pretrained(*args, **kwargs)  # now the plain PreTrainedModel
     finally:
         self.__class__ = grafted
 
@@ -320,7 +321,8 @@ def chunked_lm_loss_class(causal_lm_class: type, chunk_size: int | None = None) 
         found = _CLASSES.get(key)
         if found is not None:
             return found
-        read_head(causal_lm_class)  # refuse now, not at the first training step
+        # refuse now, not at the first training step (a class is hashable; torch's stubs hide it)
+        read_head(cast(Hashable, causal_lm_class))
         name = f"{_PREFIX}{causal_lm_class.__name__}"
         found = GraftedClass(
             name,

@@ -314,7 +314,8 @@ class _LinearExpertsBase(nn.ModuleList):
         return _grouped.sorted_forward(self._run, self.num_experts, hidden_states, top_k_index, top_k_weights)
 
     def _run(self, expert_id: int, tokens: torch.Tensor) -> torch.Tensor:
-        return self[expert_id](tokens)
+        out: torch.Tensor = self[expert_id](tokens)
+        return out
 
     def _plain_layers(self) -> list[tuple[nn.Linear, nn.Linear, nn.Linear]] | None:
         """Each expert's (gate, up, down) when all are untouched ``nn.Linear`` layers, else ``None``.
@@ -351,7 +352,7 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
-_CLASSES: dict[tuple[type, tuple[str, str, str]], type[nn.Module]] = {}
+_CLASSES: dict[tuple[type, tuple[str, ...]], type[nn.Module]] = {}
 _CLASSES_LOCK = ForkSafeLock()
 
 
@@ -370,16 +371,19 @@ def linear_experts_class(
         found = _CLASSES.get(key)
         if found is None:
             name = f"Linear{experts_class.__name__}"
-            found = GraftedClass(
-                name,
-                (_LinearExpertsBase,),
-                {
-                    "__qualname__": name,
-                    "__doc__": f"`{experts_class.__name__}` as a `ModuleList` of per-expert `nn.Linear` layers.",
-                    "_modelgraft_original": experts_class,
-                    "_expert_names": tuple(names),
-                    RECIPE_ATTR: (linear_experts_class, (experts_class, tuple(names))),
-                },
+            found = cast(
+                "type[nn.Module]",
+                GraftedClass(
+                    name,
+                    (_LinearExpertsBase,),
+                    {
+                        "__qualname__": name,
+                        "__doc__": f"`{experts_class.__name__}` as a `ModuleList` of per-expert `nn.Linear` layers.",
+                        "_modelgraft_original": experts_class,
+                        "_expert_names": tuple(names),
+                        RECIPE_ATTR: (linear_experts_class, (experts_class, tuple(names))),
+                    },
+                ),
             )
             _CLASSES[key] = found
         return found

@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections.abc import Hashable
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -153,7 +154,8 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
         num_experts = _num_experts(module, parent, config)
         if top_k is None or num_experts is None:
             continue
-        scope = module if _calls_topk(type(module)) else parent
+        # a class is hashable; torch's stubs make `type[Module]` look otherwise to mypy
+        scope = module if _calls_topk(cast(Hashable, type(module))) else parent
         numbers = re.findall(r"(?:^|\.)(\d+)(?:\.|$)", name)
         layer_id = int(numbers[0]) if numbers else len(found)
         n_group = _int_attr((module, parent), _N_GROUP_ATTRS)
@@ -169,7 +171,7 @@ def _holds_experts(parent: nn.Module, router: nn.Module) -> bool:
 
 
 @cache
-def _calls_topk(cls: type) -> bool:
+def _calls_topk(cls: type[nn.Module]) -> bool:
     try:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
@@ -192,8 +194,10 @@ def _text_config(config: Any) -> Any:
     if config is None:
         return None
     get = getattr(config, "get_text_config", None)
+    if not callable(get):
+        return config
     try:
-        return get(decoder=True) if callable(get) else config
+        return get(decoder=True)
     except TypeError:
         return get()
 

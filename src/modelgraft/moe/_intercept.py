@@ -71,13 +71,15 @@ class _SelectionMode(TorchFunctionMode):
         super().__init__()
         self.site = site
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[Any, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func in _TOPK:
             return self._topk(func, args, kwargs)
         return func(*args, **kwargs)
 
-    def _topk(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def _topk(self, func: Any, args: tuple[Any, ...], kwargs: dict[Any, Any]) -> Any:
         inp, k, dim, largest = _topk_args(args, kwargs)
         site, layer = self.site, self.site.layer
         last = dim in (-1, inp.dim() - 1)
@@ -176,7 +178,7 @@ def extra_candidates_harmless(layer: MoELayer, candidates: int) -> bool:
     return candidates == 2 and layer.n_group in (1, layer.num_experts)
 
 
-def _topk_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, int, int, bool]:
+def _topk_args(args: tuple[Any, ...], kwargs: dict[Any, Any]) -> tuple[torch.Tensor, int, int, bool]:
     names = ("input", "k", "dim", "largest", "sorted")
     bound = dict(zip(names, args))
     bound.update(kwargs)
@@ -228,7 +230,7 @@ def hook_scope(site: _Site) -> None:
         )
     original = scope.forward
 
-    @torch.compiler.disable
+    @torch.compiler.disable  # type: ignore[untyped-decorator]  # untyped in torch
     def forward(*args: Any, **kwargs: Any) -> Any:
         if site.guard is not None:
             site.guard(site)
@@ -252,7 +254,7 @@ def hook_scope(site: _Site) -> None:
             site.recorded.append(site.pending.detach().reshape(-1, layer.top_k).clone())
         return out
 
-    forward._modelgraft_moe_site = site  # type: ignore[attr-defined]
+    forward._modelgraft_moe_site = site
     site.previous_forward = existing
     scope.forward = forward
 

@@ -60,7 +60,7 @@ class _Session:
     length: int = 0
 
 
-def _input_shape(args: tuple, kwargs: dict) -> tuple[int | None, int | None]:
+def _input_shape(args: tuple[Any, ...], kwargs: dict[Any, Any]) -> tuple[int | None, int | None]:
     tensor = kwargs.get("input_ids")
     if tensor is None:
         tensor = kwargs.get("inputs_embeds")
@@ -71,7 +71,7 @@ def _input_shape(args: tuple, kwargs: dict) -> tuple[int | None, int | None]:
     return int(tensor.shape[0]), int(tensor.shape[1])
 
 
-def _past_length(kwargs: dict) -> int:
+def _past_length(kwargs: dict[Any, Any]) -> int:
     """Cache position the forward starts at: tokens already in the KV cache it was given."""
     position = kwargs.get("cache_position")
     if isinstance(position, torch.Tensor) and position.numel():
@@ -132,7 +132,7 @@ class ForwardLog:
     def _recorded(self) -> list[int]:
         return [len(site.recorded or ()) for site in self.sites]
 
-    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[Any, Any]) -> None:
         batch, seq = _input_shape(args, kwargs)
         forward = _Forward(len(self.forwards) + 1, batch, seq, _past_length(kwargs), self._recorded())
         if forward.past == 0:
@@ -144,7 +144,7 @@ class ForwardLog:
         session.length += seq or 0
         self.forwards.append(forward)
 
-    def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def _post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[Any, Any], output: Any) -> None:
         if self.forwards and self.forwards[-1].ends is None:
             self.forwards[-1].ends = self._recorded()
 
@@ -174,7 +174,8 @@ class ForwardLog:
     def _wrap_generate(self) -> None:
         model = self.model
         self._generate_before = model.__dict__.get("generate")
-        original = model.generate
+        generating: Any = model  # `generate` is a PreTrainedModel method, untyped on nn.Module
+        original = generating.generate
 
         def generate(*args: Any, **kwargs: Any) -> Any:
             _refuse_generation_mode(model, kwargs)
@@ -183,7 +184,7 @@ class ForwardLog:
             self._check_generate(first, out)
             return out
 
-        model.generate = generate
+        generating.generate = generate
         self._wrapped = True
 
     def _check_generate(self, first: int, out: Any) -> None:
@@ -262,7 +263,7 @@ class ForwardLog:
         return forward.batch if all(t.shape[0] == rows for t in flat) else None
 
 
-def _refuse_generation_mode(model: nn.Module, kwargs: dict) -> None:
+def _refuse_generation_mode(model: nn.Module, kwargs: dict[Any, Any]) -> None:
     config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
     beams = kwargs.get("num_beams", getattr(config, "num_beams", 1))
     if isinstance(beams, int) and beams > 1:

@@ -299,7 +299,9 @@ def sglang_requests(
                     f"`routed_experts_start_len` of {where} must be a non-negative integer; got {start!r}."
                 )
             wire = item.get("routed_experts_dtype") or wire
-            prompt, completion = item.get("prompt_tokens"), item.get("completion_tokens")
+            # JSON numbers of the server's response: any integral type (_is_int checks them).
+            prompt: Any = item.get("prompt_tokens")
+            completion: Any = item.get("completion_tokens")
             if _is_int(prompt) and _is_int(completion):
                 tokens = prompt + completion
             item = item["routed_experts"]

@@ -117,7 +117,7 @@ def trace_from_bytes(data: bytes) -> dict[str, Any]:
 
 def _read(
     path: Any, meta: dict[str, str], names: list[str], get: Callable[[str], torch.Tensor]
-) -> RoutingTrace:
+) -> dict[str, Any]:
     if meta.get("format") != _FORMAT:
         raise RoutingError(
             f"`{path}` is not a modelgraft routing trace (metadata format `{meta.get('format')}`, "

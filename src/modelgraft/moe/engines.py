@@ -153,7 +153,7 @@ def _model_info(
     if model is None:
         return None, None, None, None, None
     layers = moe_layers(model)
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return (
         [layer.layer_id for layer in layers],

@@ -150,7 +150,7 @@ class RoutingTrace:
         return cls(list(tensors))
 
     def _copy(self, layers: list[torch.Tensor], batch_size: int | None, **changes: Any) -> RoutingTrace:
-        fields = {
+        fields: dict[str, Any] = {
             "layer_ids": list(self.layer_ids),
             "top_k": self.top_k,
             "num_experts": self.num_experts,
