@@ -23,7 +23,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -95,13 +95,14 @@ LAYOUTS: dict[str, ExpertLayout] = {
 }
 
 
-def clamped_swiglu(settings: object, gate_up: torch.Tensor) -> torch.Tensor:
+def clamped_swiglu(settings: Any, gate_up: torch.Tensor) -> torch.Tensor:
     """GPT-OSS's gated activation on an interleaved ``gate_up`` output (as its 4.57 forward has it
     inline, with the experts' ``alpha`` and ``limit``)."""
+    limit, alpha = float(settings.limit), float(settings.alpha)
     gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-    gate = gate.clamp(min=None, max=settings.limit)
-    up = up.clamp(min=-settings.limit, max=settings.limit)
-    glu = gate * torch.sigmoid(gate * settings.alpha)
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    glu = gate * torch.sigmoid(gate * alpha)
     return (up + 1) * glu
 
 
@@ -109,7 +110,7 @@ def clamped_swiglu(settings: object, gate_up: torch.Tensor) -> torch.Tensor:
 ACTIVATIONS = {"clamped_swiglu": clamped_swiglu}
 
 
-def layout_of(experts_class: type) -> ExpertLayout | None:
+def layout_of(experts_class: type | nn.Module) -> ExpertLayout | None:
     """The layout of ``experts_class`` (declared in :data:`LAYOUTS`, else read off its flags).
 
     ``None`` when the class has no flags and no entry: nothing says how its tensors are laid out.
@@ -129,7 +130,7 @@ def layout_of(experts_class: type) -> ExpertLayout | None:
 
 def _halves(tensor: torch.Tensor, layout: ExpertLayout, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     if layout.interleaved:
-        first, second = tensor.unflatten(dim, (-1, 2)).unbind(dim + 1)
+        first, second = tensor.unflatten(dim, (-1, 2)).unbind(dim + 1)  # type: ignore[no-untyped-call]
         return first, second
     first, second = tensor.chunk(2, dim=dim)
     return first, second
@@ -140,15 +141,21 @@ def split_fused(experts: nn.Module, layout: ExpertLayout) -> dict[str, torch.Ten
 
     Keys: ``gate``, ``up``, ``down`` and, with biases, ``gate_bias``, ``up_bias``, ``down_bias``.
     """
-    gate_up, down = experts.gate_up_proj, experts.down_proj
+    gate_up, down = _tensor(experts, "gate_up_proj"), _tensor(experts, "down_proj")
     if layout.transposed:
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     gate, up = _halves(gate_up, layout, 1)
     out = {"gate": gate, "up": up, "down": down}
     if layout.bias:
-        out["gate_bias"], out["up_bias"] = _halves(experts.gate_up_proj_bias, layout, 1)
-        out["down_bias"] = experts.down_proj_bias
+        out["gate_bias"], out["up_bias"] = _halves(_tensor(experts, "gate_up_proj_bias"), layout, 1)
+        out["down_bias"] = _tensor(experts, "down_proj_bias")
     return out
+
+
+def _tensor(module: nn.Module, name: str) -> torch.Tensor:
+    value = getattr(module, name)
+    assert isinstance(value, torch.Tensor)  # the layout check found a tensor there before
+    return value
 
 
 @dataclass(frozen=True)
@@ -179,7 +186,9 @@ class Deinterleave(ConversionOperation):
                     f"`Deinterleave(dim={self.dim})` needs an even size along dim {self.dim}; received a tensor "
                     f"of shape {tuple(tensor.shape)}."
                 )
-            first, second = tensor.unflatten(self.dim, (-1, 2)).unbind(self.dim % tensor.dim() + 1)
+            first, second = tensor.unflatten(self.dim, (-1, 2)).unbind(  # type: ignore[no-untyped-call]
+                self.dim % tensor.dim() + 1
+            )
             even.append(first)
             odd.append(second)
         return [even, odd]
@@ -258,7 +267,9 @@ def fused_checkpoint_converters(
     places: dict[str, ExpertLayout] = {}
     for path, module in meta_model(model_type).named_modules():
         if original_class(type(module)) in classes:
-            places[".".join(path.split(".")[-2:])] = layout_of(module)
+            layout = layout_of(module)
+            assert layout is not None  # the graft's family gate refused classes without one
+            places[".".join(path.split(".")[-2:])] = layout
     out = []
     for place, layout in sorted(places.items()):
         for fused, leaves, role in _roles(layout, names):

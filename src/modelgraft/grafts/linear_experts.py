@@ -32,6 +32,8 @@ Example:
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -115,9 +117,13 @@ class LinearExpert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self._names)
+        out: torch.Tensor
         if self._gate is not None:
-            return down(self._gate(gate(x), up(x)))
-        return down(self.act_fn(gate(x)) * up(x))
+            out = down(self._gate(gate(x), up(x)))
+        else:
+            assert self.act_fn is not None  # built with either an activation or a family gate
+            out = down(self.act_fn(gate(x)) * up(x))
+        return out
 
 
 class FamilyGate:
@@ -129,7 +135,12 @@ class FamilyGate:
     activation is the family's code, not a re-implementation.
     """
 
-    def __init__(self, function: object, settings: dict[str, object], interleaved: bool) -> None:
+    def __init__(
+        self,
+        function: Callable[[Any, torch.Tensor], torch.Tensor],
+        settings: dict[str, object],
+        interleaved: bool,
+    ) -> None:
         self.function = function
         self.settings = types.SimpleNamespace(**settings)
         self.interleaved = interleaved
@@ -228,6 +239,7 @@ class _LinearExpertsBase(nn.ModuleList):
     def _setup(self, probe: nn.Module) -> None:
         _peft.ensure_installed()  # PEFT must keep the expert names as module targets here
         layout = layout_of(probe)
+        assert layout is not None  # _layout_problem refused experts without one before
         num, inter, hidden = split_fused(probe, layout)["gate"].shape
         self.num_experts = num
         self.hidden_dim = hidden
@@ -306,6 +318,7 @@ class _LinearExpertsBase(nn.ModuleList):
         layers = self._plain_layers()
         if layers is not None:
             first = self[0]
+            assert isinstance(first, LinearExpert)  # _plain_layers checked every expert's type
             out = _grouped.grouped_linear_forward(
                 layers, first.act_fn, hidden_states, top_k_index, top_k_weights, gate=first._gate
             )
@@ -328,7 +341,10 @@ class _LinearExpertsBase(nn.ModuleList):
             return None
         if not len(self):
             return None
-        act_fn, gate = self[0].act_fn, self[0]._gate
+        first = self[0]
+        if not isinstance(first, LinearExpert):
+            return None
+        act_fn, gate = first.act_fn, first._gate
         layers = []
         for expert in self:
             if (
