@@ -20,6 +20,8 @@ from modelgraft import _compat
 
 IS_V5 = _compat.IS_V5
 TRANSFORMERS_VERSION = str(_compat.TRANSFORMERS_VERSION)
+#: Whether the installed transformers stores MoE experts as fused 3D tensors (5.x).
+FUSED_MOE_EXPERTS = _compat.FUSED_MOE_EXPERTS
 
 #: Tests of behaviour that only transformers 5.x has.
 requires_v5 = pytest.mark.skipif(

@@ -18,12 +18,10 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from _versions import missing_model_type
+from _versions import FUSED_MOE_EXPERTS, TRANSFORMERS_VERSION, missing_model_type
 from families import BY_TYPE, family
-from modelgraft import _compat
-from modelgraft.errors import UnsupportedFamilyError
-from modelgraft.grafts import LINEAR_EXPERTS_FAMILIES, linear_experts
-from modelgraft.grafts.linear_experts import LinearExpert
+from modelgraft import UnsupportedFamilyError
+from modelgraft.grafts import LINEAR_EXPERTS_FAMILIES, LinearExpert, linear_experts
 from moe_families import moe_model_types
 
 ATOL = 1e-5
@@ -74,9 +72,9 @@ def _fused_here(model_type: str) -> str | None:
     missing = missing_model_type(model_type)
     if missing is not None:
         return missing
-    if not _compat.FUSED_MOE_EXPERTS and model_type not in ("gpt_oss", "llama4_text"):
+    if not FUSED_MOE_EXPERTS and model_type not in ("gpt_oss", "llama4_text"):
         return (
-            f"transformers {_compat.TRANSFORMERS_VERSION} has no fused 3D experts in `{model_type}` "
+            f"transformers {TRANSFORMERS_VERSION} has no fused 3D experts in `{model_type}` "
             "(per-expert layers or a layout of its own); only GPT-OSS and Llama 4 are fused there"
         )
     return None
@@ -164,7 +162,7 @@ def test_grafted_experts_give_the_plain_outputs_and_save_the_plain_checkpoint(
 def test_the_families_refused_before_are_supported_now() -> None:
     present = [t for t in NEWLY_SUPPORTED if _fused_here(t) is None]
     assert set(present) <= set(LINEAR_EXPERTS_FAMILIES)
-    if _compat.FUSED_MOE_EXPERTS:
+    if FUSED_MOE_EXPERTS:
         assert present == list(NEWLY_SUPPORTED)
         assert len(LINEAR_EXPERTS_FAMILIES) >= 45
 
@@ -173,9 +171,9 @@ def test_the_families_refused_before_are_supported_now() -> None:
 def test_families_whose_experts_are_not_linear_layers_are_refused_with_the_reason(model_type: str) -> None:
     if (why := missing_model_type(model_type)) is not None:
         pytest.skip(why)
-    if not _compat.FUSED_MOE_EXPERTS:
+    if not FUSED_MOE_EXPERTS:
         pytest.skip(
-            f"the refusals are pinned for transformers 5.x (installed: {_compat.TRANSFORMERS_VERSION})"
+            f"the refusals are pinned for transformers 5.x (installed: {TRANSFORMERS_VERSION})"
         )
     with pytest.raises(UnsupportedFamilyError, match=REFUSED[model_type]):
         linear_experts(model_type)
@@ -192,12 +190,12 @@ def test_every_moe_family_of_the_installed_transformers_is_supported_or_refused(
         try:
             linear_experts(model_type)
         except UnsupportedFamilyError as exc:
-            if _compat.FUSED_MOE_EXPERTS:
+            if FUSED_MOE_EXPERTS:
                 unaccounted.append(f"{model_type}: {exc}")
         except Exception as exc:  # a tiny config the family's own validation rejects
             not_tiny.append(f"{model_type}: {type(exc).__name__}")
         else:
-            if _compat.FUSED_MOE_EXPERTS:
+            if FUSED_MOE_EXPERTS:
                 unaccounted.append(f"{model_type}: supported but not in LINEAR_EXPERTS_FAMILIES")
     print("not buildable tiny:", not_tiny)
     assert not unaccounted, unaccounted
