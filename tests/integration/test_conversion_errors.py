@@ -7,7 +7,7 @@ import torch
 from conversion_helpers import QKV, fused_qkv_class
 from safetensors.torch import load_file, save_file
 from test_conversion_load import _attention_class, _save_plain
-from transformers import AutoModelForCausalLM, modeling_utils
+from transformers import AutoModelForCausalLM
 
 from modelgraft import (
     Concatenate,
@@ -81,32 +81,6 @@ def test_target_no_converter_produced_is_reported_and_strict_raises(tmp_path):
         pytest.raises(StrictModeError, match=r"qkv_proj"),
     ):
         AutoModelForCausalLM.from_pretrained(tmp_path)
-
-
-def test_conversion_hooks_can_be_removed_and_reinstalled(tmp_path):
-    from modelgraft import _compat, conversion
-    from modelgraft._wrapping import is_wrapped
-
-    _save_plain("llama", tmp_path)
-    assert _compat.conversion_wiring_installed()  # the wiring for the installed transformers (4.57 or 5.x)
-    conversion.uninstall()
-    try:
-        assert not _compat.conversion_wiring_installed()
-        wrapped = [modeling_utils.PreTrainedModel.__dict__["post_init"]]
-        if _compat.HAS_BUILTIN_CONVERSION:
-            wrapped.append(modeling_utils.get_model_conversion_mapping)
-        assert not any(is_wrapped(f) for f in wrapped)
-        with patched(FUSED, conversions={"llama": [QKV]}):
-            model = AutoModelForCausalLM.from_pretrained(tmp_path)
-        assert not report(model).conversions  # nothing converted without the hooks
-    finally:
-        conversion.install()
-        conversion.install()  # idempotent
-    assert _compat.conversion_wiring_installed()
-    with patched(FUSED, conversions={"llama": [QKV]}):
-        model = AutoModelForCausalLM.from_pretrained(tmp_path)
-    assert len(report(model).conversions) == 4
-    assert isinstance(model.model.layers[0].self_attn.qkv_proj.weight, torch.nn.Parameter)
 
 
 def test_a_non_safetensors_checkpoint_is_reported(tmp_path):

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from _file_backing import backing_files, needs_proc_maps
-from modelgraft import Concatenate, WeightConverter, _compat, patched, report
+from _versions import IS_V5
+from modelgraft import Concatenate, WeightConverter, patched, report
 from modelgraft.testing import tiny_config
 
 #: One row per family: tiny config overrides and the attention class the fused QKV replaces.
@@ -297,7 +298,7 @@ def test_moe_expert_merges_run_through_modelgraft_are_file_backed_too(tmp_path):
     that is a row rearrangement, so the merged experts are mapped from the file like fused QKV."""
     from modelgraft.grafts import fused_qkv
 
-    if not _compat.IS_V5:
+    if not IS_V5:
         pytest.skip("transformers 4.57 keeps per-expert layers: there is no expert merge to run")
     torch.manual_seed(0)
     config = tiny_config("qwen2_moe", hidden_size=64, moe_intermediate_size=64, num_experts=4)

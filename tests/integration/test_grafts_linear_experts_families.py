@@ -172,9 +172,7 @@ def test_families_whose_experts_are_not_linear_layers_are_refused_with_the_reaso
     if (why := missing_model_type(model_type)) is not None:
         pytest.skip(why)
     if not FUSED_MOE_EXPERTS:
-        pytest.skip(
-            f"the refusals are pinned for transformers 5.x (installed: {TRANSFORMERS_VERSION})"
-        )
+        pytest.skip(f"the refusals are pinned for transformers 5.x (installed: {TRANSFORMERS_VERSION})")
     with pytest.raises(UnsupportedFamilyError, match=REFUSED[model_type]):
         linear_experts(model_type)
 

@@ -25,13 +25,13 @@ from _versions import TRANSFORMERS_VERSION, requires_fused_experts
 from families import family
 from modelgraft.grafts import (
     LINEAR_EXPERTS_FAMILIES,
+    ExpertsAdapterError,
     FusionError,
     Graft,
     fused_gate_up,
     fused_qkv,
     linear_experts,
 )
-from modelgraft.grafts.linear_experts import ExpertsAdapterError
 
 peft = pytest.importorskip("peft", reason=f"peft is not installed (transformers {TRANSFORMERS_VERSION})")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402

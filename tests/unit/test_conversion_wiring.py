@@ -1,0 +1,62 @@
+"""The conversion wiring: ``modelgraft.conversion.install``/``uninstall`` and the hooks they place.
+
+Unit tests of the wiring (``modelgraft.conversion``'s install/uninstall, ``modelgraft._compat``'s
+``conversion_wiring_installed``, ``modelgraft._wrapping``'s ``is_wrapped``), in their own file: they
+import those private modules directly, the one exception to tests using public names only (issue 14);
+everything else comes from the public namespaces.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, modeling_utils
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+from modelgraft import Concatenate, WeightConverter, _compat, conversion, patched, report
+from modelgraft._wrapping import is_wrapped
+from modelgraft.grafts import fused_qkv_class
+
+#: The tiny llama of tests/integration/test_conversion_load.py (grouped-query attention, q/k/v biases).
+TINY_LLAMA = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "vocab_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "attention_bias": True,
+}
+QKV = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])
+FUSED = {"LlamaAttention": fused_qkv_class(LlamaAttention)}
+
+
+def _save_tiny_llama(path: Path) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY_LLAMA)).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def test_conversion_hooks_can_be_removed_and_reinstalled(tmp_path):
+    _save_tiny_llama(tmp_path)
+    assert _compat.conversion_wiring_installed()  # the wiring for the installed transformers (4.57 or 5.x)
+    conversion.uninstall()
+    try:
+        assert not _compat.conversion_wiring_installed()
+        wrapped = [modeling_utils.PreTrainedModel.__dict__["post_init"]]
+        if _compat.HAS_BUILTIN_CONVERSION:
+            wrapped.append(modeling_utils.get_model_conversion_mapping)
+        assert not any(is_wrapped(f) for f in wrapped)
+        with patched(FUSED, conversions={"llama": [QKV]}):
+            model = AutoModelForCausalLM.from_pretrained(tmp_path)
+        assert not report(model).conversions  # nothing converted without the hooks
+    finally:
+        conversion.install()
+        conversion.install()  # idempotent
+    assert _compat.conversion_wiring_installed()
+    with patched(FUSED, conversions={"llama": [QKV]}):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert len(report(model).conversions) == 4
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj.weight, torch.nn.Parameter)
