@@ -24,7 +24,7 @@ from torch import nn
 
 from modelgraft import _compat
 
-__all__ = ["TINY", "build_tiny", "moe_model_types"]
+__all__ = ["TINY", "TOKEN_TYPES", "build_tiny", "forward_inputs", "moe_model_types", "routed_tokens"]
 
 _ROUTER_DEF = re.compile(r"^class \w+(Router|Gate|Gating)\(", re.M)
 _EXPERTS_DEF = re.compile(r"^class \w*Expert", re.M)
@@ -88,7 +88,28 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "zaya": {"num_experts_per_tok": 1},
     "gemma4_text": {"enable_moe_block": True, "per_layer_config": {}},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
-    "ernie4_5_vl_moe_text": {"moe_intermediate_size": [16, 16]},
+    # Every layer MoE (its default keeps layer 0 dense), and an M-RoPE split of the 8 rotary
+    # frequencies of a 16-wide head: the default split [22, 22, 20] is for 64 (128-wide heads).
+    "ernie4_5_vl_moe_text": {
+        "moe_intermediate_size": [16, 16],
+        "mlp_layer_types": ["sparse", "sparse"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2]},
+    },
+    # Its config derives no per-layer MLP schedule (`mlp_layer_types` defaults to None, which the
+    # decoder layer indexes); released checkpoints spell it out.
+    "deepseek_ocr2_text": {"mlp_layer_types": ["sparse", "sparse"]},
+    # DBRX sizes its attention and experts in nested configs. `rope_theta` and `clip_qkv` as the
+    # released checkpoints have them: the attention reads `attn_config.rope_theta`, which the
+    # config class does not define, and clamps with `clip_qkv`, which fails when it is None.
+    # `d_model` by its own name: the experts copy it before `hidden_size` is mapped onto it.
+    "dbrx": {
+        "d_model": 32,
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": 16, "moe_num_experts": 8, "moe_top_k": 2},
+    },
+    # Two MoE layers (each of its `num_layers` holds two attention blocks and one MoE), and the
+    # rotary size equal to the rope part of the latent heads, as in released checkpoints.
+    "longcat_flash": {"num_layers": 2, "head_dim": 8},
     # Its sliding-window layers double the kv heads: with 2 query heads, 1 kv head keeps both kinds valid.
     "mimo_v2_flash": {"head_dim": 24, "num_key_value_heads": 1},
     # Sizes the generic table does not name, which leave these families above the tiny cap.
@@ -97,7 +118,30 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "inkling2_loop_text": {"unpadded_vocab_size": 128},
     "switch_transformers": {"d_ff": 32},
     "nllb-moe": {"encoder_ffn_dim": 32, "decoder_ffn_dim": 32},
-    "glm5_next_text": {"index_topk": 16},
+    # Its DSA attention layers take no rope part (the config refuses one); one of each attention
+    # kind (linear, indexed), every layer MoE (its default keeps the first three dense).
+    "glm5_next_text": {
+        "index_topk": 16,
+        "qk_rope_head_dim": 0,
+        "qk_nope_head_dim": 16,
+        "layer_types": ["linear_attention", "indexed_attention"],
+        "mlp_layer_types": ["sparse", "sparse"],
+        "linear_num_heads": 2,
+        "index_n_heads": 2,
+    },
+    # Step 3.7's text tower (built through `_NESTED`): every layer MoE (its default keeps the first
+    # three dense) and a small shared expert; its vision tower sized down by hand (one 2x2-patch layer).
+    "step3p5": {"mlp_layer_types": ["sparse", "sparse"], "share_expert_dim": 16},
+    "step3p7": {
+        "vision_config": {
+            "hidden_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "patch_size": 14,
+            "max_position_embeddings": 4,
+        }
+    },
     "hy_v4_vl_text": {
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
     },
@@ -111,8 +155,21 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     },
 }
 
+# Sub-configs that get the tiny profile of their own model type: the composite's top-level config
+# names none of the sizes, so TINY alone would leave the text tower at full size.
+_NESTED: dict[str, dict[str, str]] = {
+    "step3p7": {"text_config": "step3p5"},
+}
 
 _MAX_PARAMS = 2_000_000
+
+# Families whose routers each take only the tokens of one type, chosen by a forward input: the input's
+# name, and per MoE block (by module name) the type it routes. ERNIE 4.5 VL sends text and vision
+# tokens through separate blocks; on text-only input its vision router never runs, so the routing
+# tests give every other position the vision type and every router routes tokens.
+TOKEN_TYPES: dict[str, tuple[str, dict[str, int]]] = {
+    "ernie4_5_vl_moe_text": ("moe_mm_token_type_ids", {"text_moe": 0, "vision_moe": 1}),
+}
 
 
 @lru_cache(maxsize=1)
@@ -152,12 +209,7 @@ def build_tiny(model_type: str, seed: int = 0, **overrides: Any) -> nn.Module:
     """
     from transformers import AutoConfig
 
-    default = AutoConfig.for_model(model_type)
-    known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
-    kwargs = {k: v for k, v in TINY.items() if k in known}
-    kwargs.update(_OVERRIDES.get(model_type, {}))
-    if "qk_rope_head_dim" in known:
-        kwargs.pop("head_dim", None)  # multi-head latent attention derives its head sizes itself
+    kwargs = _tiny_kwargs(model_type)
     kwargs.update(overrides)
     config = AutoConfig.for_model(model_type, **kwargs)
     build = _builder(config)
@@ -170,6 +222,55 @@ def build_tiny(model_type: str, seed: int = 0, **overrides: Any) -> nn.Module:
         )
     torch.manual_seed(seed)
     return build().eval()
+
+
+def forward_inputs(model_type: str, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The routing tests' forward inputs: ``input_ids`` and, for a family in ``TOKEN_TYPES``, token
+    types alternating along the sequence (0 at even positions, 1 at odd ones).
+
+    Example:
+        >>> sorted(forward_inputs("ernie4_5_vl_moe_text", torch.ones(1, 4, dtype=torch.long)))
+        ['input_ids', 'moe_mm_token_type_ids']
+    """
+    inputs = {"input_ids": ids}
+    if model_type in TOKEN_TYPES:
+        name, _ = TOKEN_TYPES[model_type]
+        inputs[name] = (torch.arange(ids.shape[-1]) % 2).expand_as(ids).clone()
+    return inputs
+
+
+def routed_tokens(model_type: str, layer_name: str, ids: torch.Tensor) -> int:
+    """How many tokens the router ``layer_name`` routes in a forward on :func:`forward_inputs`.
+
+    Example:
+        >>> ids = torch.ones(2, 3, dtype=torch.long)
+        >>> routed_tokens("qwen3_moe", "model.layers.0.mlp.gate", ids)
+        6
+        >>> routed_tokens("ernie4_5_vl_moe_text", "layers.0.mlp.vision_moe.gate", ids)
+        2
+    """
+    if model_type not in TOKEN_TYPES:
+        return ids.numel()
+    name, types = TOKEN_TYPES[model_type]
+    (kind,) = [kind for block, kind in types.items() if block in layer_name.split(".")]
+    return int((forward_inputs(model_type, ids)[name] == kind).sum())
+
+
+def _tiny_kwargs(model_type: str) -> dict[str, Any]:
+    """The config kwargs of ``model_type``'s tiny profile: the TINY sizes its config has, its fixes,
+    and the tiny profile of each sub-config listed in ``_NESTED``."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
+    kwargs = {k: v for k, v in TINY.items() if k in known}
+    if "qk_rope_head_dim" in known:
+        # Multi-head latent attention derives its head sizes itself (an override may still set one).
+        kwargs.pop("head_dim", None)
+    kwargs.update(_OVERRIDES.get(model_type, {}))
+    for key, sub_type in _NESTED.get(model_type, {}).items():
+        kwargs[key] = {**_tiny_kwargs(sub_type), **kwargs.get(key, {})}
+    return kwargs
 
 
 def _builder(config: Any) -> Callable[[], nn.Module]:

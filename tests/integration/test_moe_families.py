@@ -16,7 +16,7 @@ from _versions import MIN_MOE_FAMILIES, MIN_MOE_FAMILIES_RUNNING
 from families import Family, family_params
 from modelgraft import RoutingError
 from modelgraft.moe import _intercept, moe_layers, record_routing, replay_routing
-from moe_families import build_tiny, moe_model_types
+from moe_families import build_tiny, forward_inputs, moe_model_types, routed_tokens
 
 FAMILIES = moe_model_types()
 BATCH, SEQ = 2, 4
@@ -51,7 +51,7 @@ def _model_or_skip(model_type: str) -> torch.nn.Module:
 
 
 def _out(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    out = model(input_ids=ids, use_cache=False)
+    out = model(**forward_inputs(model.config.model_type, ids), use_cache=False)
     logits = getattr(out, "logits", None)
     return logits if logits is not None else out.last_hidden_state
 
@@ -148,7 +148,7 @@ def test_replay_contract(model_type: str, selections: dict) -> None:
     assert len(trace) == len(layers)
     for layer, routes in zip(layers, trace):
         assert layer.top_k < layer.num_experts, f"{layer.name}: a choice among experts is needed to test"
-        assert routes.shape == (BATCH * SEQ, layer.top_k), layer.name
+        assert routes.shape == (routed_tokens(model_type, layer.name, ids), layer.top_k), layer.name
         assert 0 <= int(routes.min()) and int(routes.max()) < layer.num_experts
 
     # Unchanged weights: bit-identical.

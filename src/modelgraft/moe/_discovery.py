@@ -56,8 +56,9 @@ _TOP_K_ATTRS = (
     "topk",
     "k",
 )
-# `num_router_classes` first: a router that can also pick a "skip" expert (ZAYA) selects over more
-# classes than there are experts, and the selection is what is recorded.
+# Expert counts by the names routers, blocks and configs give them (a router naming several: see
+# `_num_experts`). `num_router_classes` first: where a block or config names several, ZAYA's counts
+# its "skip" expert, which the selection is over.
 _NUM_EXPERTS_ATTRS = (
     "num_router_classes",
     "num_experts",
@@ -213,10 +214,22 @@ def _top_k(router: nn.Module, parent: nn.Module, config: Any) -> int | None:
 
 
 def _num_experts(router: nn.Module, parent: nn.Module, config: Any) -> int | None:
-    value = _int_attr((router, parent), _NUM_EXPERTS_ATTRS)
+    # A router naming several counts selects over the largest: besides its experts it can pick
+    # "skip"/"zero" experts (ZAYA's `num_router_classes`; LongCat-Flash's `n_routed_experts` counts
+    # its zero experts, `num_experts` does not), and the selection is what is recorded.
+    own = [_int_attr((router,), (attr,)) for attr in _NUM_EXPERTS_ATTRS]
+    if any(own):
+        return max(n for n in own if n is not None)
+    value = _int_attr((parent,), _NUM_EXPERTS_ATTRS)
     if value is not None:
         return value
     weight = getattr(router, "weight", None)
     if isinstance(weight, torch.Tensor) and weight.dim() == 2:
         return int(weight.shape[0])
-    return _int_attr((_text_config(config), config), _NUM_EXPERTS_ATTRS)
+    value = _int_attr((_text_config(config), config), _NUM_EXPERTS_ATTRS)
+    if value is not None:
+        return value
+    # Last: the experts module next to the router. DBRX keeps its expert count only there and in a
+    # nested `ffn_config` (its router wraps an `nn.Linear`, its block and top-level config name none).
+    experts = [m for m in parent.children() if m is not router and "Expert" in type(m).__name__]
+    return _int_attr(tuple(experts), _NUM_EXPERTS_ATTRS)
