@@ -277,6 +277,55 @@ FAMILIES: tuple[Family, ...] = (
     _f("openai_privacy_filter", "moe", where_fused=(LINEAR_EXPERTS,)),
     _f("solar_open", "moe", where_fused=(LINEAR_EXPERTS,)),
     _f("dots3_note_text", "moe", where_fused=(LINEAR_EXPERTS,)),
+    # DBRX sizes its attention and experts in nested configs, with `rope_theta` and `clip_qkv` as
+    # released checkpoints have them (its attention reads both; the config class defines neither
+    # default); `d_model` by its own name, since the experts copy it before `hidden_size` maps onto it
+    _f(
+        "dbrx",
+        "moe",
+        d_model=64,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
+    ),
+    # ERNIE 4.5 VL: expert sizes per modality (text, vision), and an M-RoPE split of the 8 rotary
+    # frequencies of a 16-wide head (the default [22, 22, 20] is for 128-wide heads)
+    _f(
+        "ernie4_5_vl_moe_text",
+        "moe",
+        moe_intermediate_size=[32, 32],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2]},
+    ),
+    # its sparse (DSA) attention layers take no rope part (the config refuses one); one linear and
+    # one indexed attention layer, the second MLP sparse (its default keeps the first three dense)
+    _f(
+        "glm5_next_text",
+        "moe",
+        where_fused=(LINEAR_EXPERTS,),
+        mlp_layer_types=["dense", "sparse"],
+        qk_rope_head_dim=0,
+        qk_nope_head_dim=16,
+        layer_types=["linear_attention", "indexed_attention"],
+        linear_num_heads=2,
+        index_n_heads=2,
+        index_topk=16,
+    ),
+    # the M-RoPE split must fill the 4 rotary frequencies of its 8-wide rope part
+    _f(
+        "hy_v4_vl_text",
+        "moe",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
+    ),
+    # one short-convolution layer and one attention layer (its default schedule is for 24 layers),
+    # the second MLP sparse (its default keeps the first two dense)
+    _f(
+        "lfm2_moe",
+        "moe",
+        where_fused=(LINEAR_EXPERTS,),
+        layer_types=["conv", "full_attention"],
+        num_dense_layers=1,
+    ),
+    # its config accepts top-1 routing only
+    _f("zaya", "moe", where_fused=(LINEAR_EXPERTS,), num_experts_per_tok=1),
     # BERT-like encoders
     _f("bert", "encoder"),
     _f("roberta", "encoder"),

@@ -163,7 +163,7 @@ def _grouped_mm() -> Callable[..., torch.Tensor] | None:
 
 def grouped_linear_forward(
     layers: Sequence[tuple[nn.Linear, nn.Linear, nn.Linear]],
-    act_fn: nn.Module | None,
+    act_fn: Callable[[torch.Tensor], torch.Tensor] | None,
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,

@@ -90,7 +90,7 @@ class LinearExpert(nn.Module):
     Args:
         hidden: model width.
         intermediate: expert width.
-        act_fn: the activation module of the original experts.
+        act_fn: the activation of the original experts (a module, or a function such as ``F.silu``).
         names: attribute names of the gate, up and down layers.
         bias: whether the three layers have biases (GPT-OSS).
         gate: the family's own gated activation (see :class:`FamilyGate`), used instead of
@@ -101,7 +101,7 @@ class LinearExpert(nn.Module):
         self,
         hidden: int,
         intermediate: int,
-        act_fn: nn.Module | None,
+        act_fn: Callable[[torch.Tensor], torch.Tensor] | None,
         names: tuple[str, str, str] = DEFAULT_NAMES,
         bias: bool = False,
         gate: FamilyGate | None = None,
@@ -203,8 +203,8 @@ def _layout_problem(experts: nn.Module) -> str | None:
             f"{layout} of (E, 2I, H) and (E, H, I)"
         )
     gate = _family_gate(experts, layout)
-    if gate is None and not isinstance(getattr(experts, "act_fn", None), nn.Module):
-        return "it has no `act_fn` module"
+    if gate is None and not _is_activation(getattr(experts, "act_fn", None)):
+        return "it has no `act_fn` (an activation module or function)"
     if gate is not None:
         try:
             with torch.device("meta"):
@@ -213,6 +213,17 @@ def _layout_problem(experts: nn.Module) -> str | None:
         except Exception as exc:  # the family's activation reads something a copy cannot carry
             return f"its `_apply_gate` cannot run on separate gate/up outputs ({type(exc).__name__}: {exc})"
     return None
+
+
+def _is_activation(act_fn: object) -> bool:
+    """Whether ``act_fn`` is an activation the experts apply to the gate output.
+
+    Most families keep a module (``ACT2FN[...]``); LFM2-MoE keeps the function ``F.silu``. Either is
+    called the same way, so the per-expert layers share the very object the plain experts call.
+    """
+    return isinstance(act_fn, nn.Module) or isinstance(
+        act_fn, (types.FunctionType, types.BuiltinFunctionType)
+    )
 
 
 class _LinearExpertsBase(nn.ModuleList):
@@ -455,6 +466,20 @@ def _why_not(model_type: str) -> str:
             problem = _layout_problem(module)
             if problem is not None:
                 return f" (`{type(module).__name__}`: {problem})"
+    for module in modules:
+        # Experts fused another way (DBRX: each weight an (E * I, H) stack): name what they hold.
+        params = list(module.named_parameters())
+        if (
+            type(module).__name__.endswith("Experts")
+            and params
+            and all(p.dim() == 2 for _, p in params)
+            and not any(isinstance(m, nn.Linear) for m in module.modules())
+        ):
+            shapes = ", ".join(f"`{n}` {tuple(p.shape)}" for n, p in params)
+            return (
+                f" (no module holds 3D expert parameters: `{type(module).__name__}` stacks its experts in 2D "
+                f"parameters {shapes}, a storage no layout in `modelgraft.grafts._expert_layouts` declares)"
+            )
     return " (no module holds 3D expert parameters)"
 
 
