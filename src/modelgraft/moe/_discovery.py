@@ -51,6 +51,7 @@ _TOP_K_ATTRS = (
     "num_experts_per_tok",
     "top_k_experts",
     "moe_topk",
+    "moe_top_k",  # DBRX's router on transformers 4.57 (its config's `top_k` is generation's 50)
     "moe_k",
     "num_selected_experts",
     "topk",
