@@ -17,21 +17,27 @@ from typing import ClassVar
 import pytest
 import torch
 from transformers.models.llama import modeling_llama
-from transformers.models.llama.modeling_llama import LlamaMLP
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 from transformers.models.mt5 import modeling_mt5
 from transformers.models.t5 import modeling_t5
 
+import modelgraft
 from modelgraft import (
+    Concatenate,
+    Graft,
     PatchRegistrationError,
     ReplacementTypeError,
+    WeightConverter,
     apply_patches,
     clear_patch_mapping,
+    get_checkpoint_conversion_mapping,
     get_patch_mapping,
     patched,
     register_patch_mapping,
     registry,
     unregister_patch_mapping,
 )
+from modelgraft.grafts import fused_qkv_class
 from modelgraft.registry import explain, find_replacement
 
 
@@ -390,3 +396,23 @@ def test_a_removed_replacement_class_is_released(how: str) -> None:
     del cls, mapping, scope
     gc.collect()
     assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
+
+
+# ---- one graft value: a registry scope takes classes and conversions together (issue 14, point 1) --
+def _qkv_converter() -> WeightConverter:
+    names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+    return WeightConverter(names, ["self_attn.qkv_proj"], [Concatenate(dim=0)])
+
+
+def _user_graft() -> Graft:
+    """Fused QKV for Llama written by hand: a class and the conversion that goes with it."""
+    return Graft({"LlamaAttention": fused_qkv_class(LlamaAttention)}, {"llama": [_qkv_converter()]})
+
+
+def test_a_registry_scope_takes_a_graft_whole() -> None:
+    graft = _user_graft()
+    with modelgraft.registry.scoped(graft) as snap:
+        assert snap.mapping == graft.mapping
+        assert snap.conversions == {"llama": (_qkv_converter(),)}
+        assert modelgraft.registry.current() is snap
+    assert modelgraft.get_patch_mapping() == {} and get_checkpoint_conversion_mapping("llama") is None
