@@ -1,5 +1,5 @@
 """Issue 2, points 4 (only nn.Module classes are swapped; a scan imports nothing) and 5 (one swap per
-load, one scan per composite model), and swap mechanics.
+load, one scan per composite model) and 6 (concurrent scoped loads), and swap mechanics.
 
 Unit tests of ``modelgraft.swap`` (their own file): they import it directly, the one exception to
 tests using public names only (issue 14); everything else comes from the public namespaces.
@@ -8,7 +8,10 @@ tests using public names only (issue 14); everything else comes from the public 
 from __future__ import annotations
 
 import sys
+import threading
+import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -244,3 +247,79 @@ def test_composite_model_is_patched_with_a_single_scan(tmp_path: Path) -> None:
         assert swap.STATS["scans"] - scans <= 1
         _check_llava(loaded)
     assert modeling_llama.LlamaAttention is LlamaAttention
+
+
+# ---- issue 2, point 6: concurrent loads with different scoped patches, and a bystander without ----
+# (moved from tests/integration/test_threads.py: it compares the swap scope's bindings, read through
+# ``swap.in_scope_modules``, before and after)
+N_PATCHED = 8
+ROUNDS = 3
+
+
+def _make_attention(i: int) -> type:
+    def __init__(self: LlamaAttention, *args: object, **kwargs: object) -> None:
+        time.sleep(0.0005)  # widen the window in which another thread could observe the swap
+        LlamaAttention.__init__(self, *args, **kwargs)
+
+    return type(f"ThreadAttention{i}", (LlamaAttention,), {"__init__": __init__})
+
+
+@pytest.fixture
+def fast_switching() -> Iterator[None]:
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
+
+
+def _scope_bindings() -> dict[tuple[str, str], object]:
+    return {
+        (name, attr): value
+        for name, module in swap.in_scope_modules()
+        for attr, value in vars(module).items()
+    }
+
+
+def test_concurrent_scoped_loads_get_their_own_classes(fast_switching: None, tiny_llama_dir: Path) -> None:
+    classes = [_make_attention(i) for i in range(N_PATCHED)]
+    before = _scope_bindings()
+    barrier = threading.Barrier(N_PATCHED + 1)
+    results: dict[int, list[set[type]]] = {i: [] for i in range(N_PATCHED + 1)}
+    errors: list[BaseException] = []
+
+    def load(i: int) -> AutoModelForCausalLM:
+        # Alternate the load paths so both wrapped entry points race each other.
+        if i % 2:
+            return AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+        return LlamaForCausalLM._from_config(family("llama").config())
+
+    def worker(i: int) -> None:
+        try:
+            for _ in range(ROUNDS):
+                barrier.wait()
+                if i == N_PATCHED:  # the bystander: no patches at all
+                    model = load(i)
+                else:
+                    with patched({"LlamaAttention": classes[i]}):
+                        model = load(i)
+                results[i].append({type(m) for m in model.modules() if isinstance(m, LlamaAttention)})
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(N_PATCHED + 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert not errors, errors
+    for i in range(N_PATCHED):
+        assert results[i] == [{classes[i]}] * ROUNDS, i
+    assert results[N_PATCHED] == [{LlamaAttention}] * ROUNDS
+    after = _scope_bindings()
+    leaked = [key for key, value in before.items() if after.get(key, value) is not value]
+    assert leaked == []
+    assert all(key in after for key in before)
