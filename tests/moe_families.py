@@ -23,6 +23,8 @@ import pytest
 import torch
 from torch import nn
 
+# Test infrastructure, not a test: family discovery reads the version layer's modeling-file index
+# (private _compat); no public name lists the installed modeling files.
 from modelgraft import RoutingError, _compat
 from modelgraft.moe import moe_layers
 
