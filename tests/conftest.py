@@ -11,6 +11,10 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 import modelgraft
 from families import family
+
+# Test infrastructure, not a test: the one private name here. No public call restores the global
+# registry (classes *and* conversions, with their order) as it was; `clear_patch_mapping` only
+# empties the classes, and the public conversion API reads one key at a time and cannot list them.
 from modelgraft import registry
 
 

@@ -26,6 +26,9 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM, PretrainedConfig
 
 from _versions import missing_model_type
+
+# Test infrastructure, not a test: the one family table (issue 14, point 4) lives in the product's
+# private _families module and drives these helpers; no public name lists it.
 from modelgraft import _families
 from modelgraft.testing import tiny_config
 

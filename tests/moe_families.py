@@ -16,15 +16,32 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
-from modelgraft import _compat
+# Test infrastructure, not a test: family discovery reads the version layer's modeling-file index
+# (private _compat); no public name lists the installed modeling files.
+from modelgraft import RoutingError, _compat
+from modelgraft.moe import moe_layers
 
-__all__ = ["TINY", "TOKEN_TYPES", "build_tiny", "forward_inputs", "moe_model_types", "routed_tokens"]
+__all__ = [
+    "BATCH",
+    "SEQ",
+    "TINY",
+    "TOKEN_TYPES",
+    "build_tiny",
+    "forward_inputs",
+    "model_output",
+    "moe_model_types",
+    "plain_failure",
+    "routed_tokens",
+    "tiny_or_skip",
+    "tiny_with_random_routers",
+]
 
 _ROUTER_DEF = re.compile(r"^class \w+(Router|Gate|Gating)\(", re.M)
 _EXPERTS_DEF = re.compile(r"^class \w*Expert", re.M)
@@ -254,6 +271,59 @@ def routed_tokens(model_type: str, layer_name: str, ids: torch.Tensor) -> int:
     name, types = TOKEN_TYPES[model_type]
     (kind,) = [kind for block, kind in types.items() if block in layer_name.split(".")]
     return int((forward_inputs(model_type, ids)[name] == kind).sum())
+
+
+# ---- shared by the routing tests on every family (test_moe_families.py, unit/test_moe_intercept.py):
+# one cache of tiny models, so a session builds each family once.
+BATCH, SEQ = 2, 4
+
+
+@cache
+def tiny_with_random_routers(model_type: str) -> tuple[torch.nn.Module | None, str]:
+    """The tiny model with randomised routers, or None and why it cannot be used."""
+    try:
+        model = build_tiny(model_type)
+    except Exception as exc:  # any failure to build tiny is a skip reason, reported verbatim
+        return None, f"cannot be built tiny: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    try:
+        layers = moe_layers(model)
+    except RoutingError as exc:
+        return None, str(exc)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in layers:
+            # Initialisers often zero the router; random routers make the selection non-trivial.
+            for tensor in [*layer.router.parameters(), *layer.router.buffers()]:
+                if tensor.is_floating_point():
+                    tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.5)
+    return model, ""
+
+
+def tiny_or_skip(model_type: str) -> torch.nn.Module:
+    """The model of :func:`tiny_with_random_routers`, or a skip with the reason it cannot be used."""
+    model, reason = tiny_with_random_routers(model_type)
+    if model is None:
+        pytest.skip(f"{model_type}: {reason}")
+    return model
+
+
+def model_output(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The logits of a forward on :func:`forward_inputs` (the last hidden state without a head)."""
+    out = model(**forward_inputs(model.config.model_type, ids), use_cache=False)
+    logits = getattr(out, "logits", None)
+    return logits if logits is not None else out.last_hidden_state
+
+
+@cache
+def plain_failure(model_type: str) -> str:
+    """Why the family's own forward fails at tiny size (without modelgraft), or ''."""
+    model, _ = tiny_with_random_routers(model_type)
+    try:
+        with torch.no_grad():
+            model_output(model, torch.ones(BATCH, SEQ, dtype=torch.long))
+    except Exception as exc:
+        return f"plain forward fails when tiny: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    return ""
 
 
 def _tiny_kwargs(model_type: str) -> dict[str, Any]:

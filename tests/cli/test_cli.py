@@ -15,6 +15,7 @@ import torch
 from transformers import LlamaConfig
 
 import modelgraft
+from modelgraft import get_checkpoint_conversion_mapping
 from modelgraft.cli import main
 
 
@@ -415,3 +416,24 @@ def test_verify_fails_on_nan_with_exit_1(
     assert re.search(r"^logits_match +FAIL +`logits`: \d+ NaN where the plain model is finite", out, re.M)
     assert "max |diff| 0.00e+00" not in out
     assert out.rstrip().endswith("FAILED: logits_match, hidden_states_match")
+
+
+# ---- one graft value through --graft (issue 14, point 1; was in tests/integration/test_grafts_value.py)
+def test_the_cli_verifies_a_users_graft(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "users_graft.py").write_text(
+        "from transformers.models.llama.modeling_llama import LlamaAttention\n"
+        "from modelgraft import Concatenate, Graft, WeightConverter\n"
+        "from modelgraft.grafts import fused_qkv_class\n\n"
+        "NAMES = ['self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj']\n"
+        "FUSE = WeightConverter(NAMES, ['self_attn.qkv_proj'], [Concatenate(dim=0)])\n"
+        "GRAFT = Graft({'LlamaAttention': fused_qkv_class(LlamaAttention)}, {'llama': [FUSE]})\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["verify", "llama", "--graft", "users_graft:GRAFT", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    checks = {c["name"]: c["passed"] for c in json.loads(out)["checks"]}
+    assert checks and all(checks.values()), checks
+    assert modelgraft.get_patch_mapping() == {} and get_checkpoint_conversion_mapping("llama") is None

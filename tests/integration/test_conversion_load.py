@@ -186,34 +186,6 @@ def test_a_plain_load_ignores_a_registered_conversion(tmp_path):
     torch.testing.assert_close(model.eval()(X).logits, plain(X).logits, atol=0, rtol=0)
 
 
-def test_composite_model_resolves_the_entry_per_sub_model(tmp_path):
-    from transformers import AutoModelForImageTextToText
-
-    from modelgraft.conversion.scopes import resolve_scopes
-
-    torch.manual_seed(0)
-    plain = AutoModelForImageTextToText.from_config(tiny_config("llava")).eval()
-    plain.save_pretrained(tmp_path / "src")
-    # transformers writes llava's legacy layout (`language_model.model.*`); the converter must see through it.
-    assert "language_model.model.layers.0.self_attn.q_proj.weight" in _checkpoint_tensors(tmp_path / "src")
-    attn = _attention_class("llama")
-    with patched({attn.__name__: fused_qkv_class(attn)}, conversions={"llama": [QKV]}):
-        model, info = AutoModelForImageTextToText.from_pretrained(tmp_path / "src", output_loading_info=True)
-        scopes = resolve_scopes(model)
-    assert [(s.path, s.key) for s in scopes] == [("model.language_model", "llama")]
-    assert not info["missing_keys"] and not info["unexpected_keys"]
-    targets = {r.target_keys[0] for r in report(model).conversions}
-    assert "model.language_model.layers.1.self_attn.qkv_proj.weight" in targets
-    ids = X.clamp(max=120)
-    torch.testing.assert_close(
-        model.eval()(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-5, rtol=0
-    )
-    model.save_pretrained(tmp_path / "out")
-    written, original = _checkpoint_tensors(tmp_path / "out"), _checkpoint_tensors(tmp_path / "src")
-    assert sorted(written) == sorted(original)
-    assert all(torch.equal(written[k], original[k]) for k in original)
-
-
 def test_concurrent_loads_see_only_their_own_scoped_conversions(tmp_path):
     import sys
     import threading

@@ -2,13 +2,13 @@
 
 A user's ``modelgraft.Graft(mapping, conversions)`` and the ready-made grafts are the same type: each
 goes to ``patched``, ``graft_model``, ``verify``, ``register_graft`` and the CLI's ``--graft`` as one
-value, and grafts add up with ``+``.
+value, and grafts add up with ``+``. (The CLI's and the registry scope's tests of this read private
+modules, so they live in those modules' own unit files: tests/cli/test_cli.py, tests/unit/test_registry.py.)
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import pickle
 from pathlib import Path
 
@@ -27,7 +27,6 @@ from modelgraft import (
     PatchRegistrationError,
     ReplacementTypeError,
     WeightConverter,
-    cli,
     get_checkpoint_conversion_mapping,
     graft_model,
     register_graft,
@@ -174,32 +173,3 @@ def test_a_graft_pickles_as_what_it_resolves_to() -> None:
     copied = pickle.loads(pickle.dumps(graft))
     assert (copied.name, copied.model_types) == (graft.name, graft.model_types)
     assert copied.mapping == graft.mapping and copied.conversions == graft.conversions
-
-
-def test_a_registry_scope_takes_a_graft_whole() -> None:
-    graft = _user_graft()
-    with modelgraft.registry.scoped(graft) as snap:
-        assert snap.mapping == graft.mapping
-        assert snap.conversions == {"llama": (_qkv_converter(),)}
-        assert modelgraft.registry.current() is snap
-    assert modelgraft.get_patch_mapping() == {} and get_checkpoint_conversion_mapping("llama") is None
-
-
-def test_the_cli_verifies_a_users_graft(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    (tmp_path / "users_graft.py").write_text(
-        "from transformers.models.llama.modeling_llama import LlamaAttention\n"
-        "from modelgraft import Concatenate, Graft, WeightConverter\n"
-        "from modelgraft.grafts import fused_qkv_class\n\n"
-        "NAMES = ['self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj']\n"
-        "FUSE = WeightConverter(NAMES, ['self_attn.qkv_proj'], [Concatenate(dim=0)])\n"
-        "GRAFT = Graft({'LlamaAttention': fused_qkv_class(LlamaAttention)}, {'llama': [FUSE]})\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    code = cli.main(["verify", "llama", "--graft", "users_graft:GRAFT", "--json"])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    checks = {c["name"]: c["passed"] for c in json.loads(out)["checks"]}
-    assert checks and all(checks.values()), checks
-    assert modelgraft.get_patch_mapping() == {} and get_checkpoint_conversion_mapping("llama") is None

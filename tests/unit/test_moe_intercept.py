@@ -1,4 +1,5 @@
-"""The top-k interception on its own: final selection, group-limited steering, pass-through.
+"""The top-k interception on its own: final selection, group-limited steering, pass-through; and what
+each MoE family's code gets back from its selection under record/replay (the replay contract).
 
 Unit tests of ``modelgraft.moe._intercept`` (their own file): they import it directly, the one exception to
 tests using public names only (issue 14); everything else comes from the public namespaces.
@@ -11,8 +12,10 @@ import torch
 from torch import nn
 
 from modelgraft import RoutingError
+from modelgraft.moe import moe_layers, record_routing, replay_routing
 from modelgraft.moe._discovery import MoELayer
 from modelgraft.moe._intercept import _SelectionMode, _Site, hook_scope, unhook_scope
+from moe_families import BATCH, SEQ, model_output, moe_model_types, plain_failure, routed_tokens, tiny_or_skip
 
 
 def _site(top_k: int = 2, num_experts: int = 8, **groups: int) -> _Site:
@@ -169,3 +172,140 @@ def test_forced_experts_outside_the_kept_groups(mask: float) -> None:
             router(x)
     finally:
         unhook_scope(site)
+
+
+# ---- the record/replay contract on every MoE family of the installed transformers (issue 4, points
+# 1-2; moved from tests/integration/test_moe_families.py: its `selections` fixture spies on
+# `_SelectionMode._topk`). Families are found at run time; one that cannot be built tiny, or whose
+# router does not select with a top-k, is skipped with the reason.
+FAMILIES = moe_model_types()
+
+
+def _expert_inputs(model: torch.nn.Module) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor]], list]:
+    """Hook each experts module to see the (indices, weights) it is given, where its call shows them."""
+    seen: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    handles = []
+    for layer in moe_layers(model):
+        parent = layer.scope if layer.scope is not layer.router else None
+        holder = parent if parent is not None else _parent_of(model, layer.name)
+        experts = [
+            m for n, m in holder.named_children() if "Expert" in type(m).__name__ and "Shared" not in n
+        ]
+        if not experts:
+            continue
+
+        def hook(module, args, kwargs, k=layer.top_k, name=layer.name):
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            idx = [t for t in tensors if not t.is_floating_point() and t.shape[-1:] == (k,)]
+            wts = [t for t in tensors if t.is_floating_point() and idx and t.shape == idx[0].shape]
+            if idx and wts:
+                seen.append(
+                    (name, idx[0].detach().reshape(-1, k).clone(), wts[0].detach().reshape(-1, k).clone())
+                )
+
+        handles.append(experts[0].register_forward_pre_hook(hook, with_kwargs=True))
+    return seen, handles
+
+
+def _skip_if_plain_forward_fails(model_type: str) -> None:
+    reason = plain_failure(model_type)
+    if reason:
+        pytest.skip(f"{model_type}: {reason}")
+
+
+def _parent_of(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    return model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+
+
+@pytest.fixture
+def selections(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, (indices, scores) of its expert selection (the last selection-shaped top-k of the
+    layer's forward), as the family's code received them."""
+    captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    original = _SelectionMode._topk
+
+    def spy(self, func, args, kwargs):
+        before = self.site.candidates
+        out = original(self, func, args, kwargs)
+        if self.site.candidates > before:
+            k = self.site.layer.top_k
+            captured[self.site.layer.name] = (
+                out.indices.detach().reshape(-1, k),
+                out.values.detach().reshape(-1, k),
+            )
+        return out
+
+    monkeypatch.setattr(_SelectionMode, "_topk", spy)
+    return captured
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_replay_contract(model_type: str, selections: dict) -> None:
+    model = tiny_or_skip(model_type)
+    layers = moe_layers(model)
+    ids = torch.randint(1, 128, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+
+    try:
+        with record_routing(model) as trace, torch.no_grad():
+            reference = model_output(model, ids)
+    except RoutingError:
+        raise
+    except Exception as exc:
+        _skip_if_plain_forward_fails(model_type)
+        raise AssertionError(f"{model_type} runs plainly but fails while recording") from exc
+    assert len(trace) == len(layers)
+    for layer, routes in zip(layers, trace):
+        assert layer.top_k < layer.num_experts, f"{layer.name}: a choice among experts is needed to test"
+        assert routes.shape == (routed_tokens(model_type, layer.name, ids), layer.top_k), layer.name
+        assert 0 <= int(routes.min()) and int(routes.max()) < layer.num_experts
+
+    # Unchanged weights: bit-identical.
+    seen, handles = _expert_inputs(model)
+    selections.clear()
+    with replay_routing(model, trace), torch.no_grad():
+        replayed = model_output(model, ids)
+    assert torch.equal(replayed, reference)
+    before = list(seen)
+    seen.clear()
+    selected_before = dict(selections)
+    selections.clear()
+
+    # Perturbed router: same experts, different routing weights, and the router gets a gradient.
+    routers = [layer.router for layer in layers]
+    saved = [{k: v.clone() for k, v in r.state_dict().items()} for r in routers]
+    try:
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(2)
+            for router in routers:
+                for p in router.parameters():
+                    if p.is_floating_point():
+                        p.add_(torch.randn(p.shape, generator=gen))
+        model.zero_grad(set_to_none=True)
+        with replay_routing(model, trace):
+            out = model_output(model, ids)
+            out.float().pow(2).mean().backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+        for router, state in zip(routers, saved):
+            router.load_state_dict(state)
+    after = list(seen)
+    assert not torch.equal(out.detach(), reference)
+    # What the family's own code got back from its selection: the recorded experts, live scores.
+    # (Keyed by layer: execution order may differ from module order, e.g. JetMoE's attention experts.)
+    by_name_before, by_name_after = selected_before, selections
+    assert len(selected_before) == len(selections) == len(layers)
+    for layer, routes in zip(layers, trace):
+        (idx_b, score_b), (idx_a, score_a) = by_name_before[layer.name], by_name_after[layer.name]
+        assert torch.equal(idx_b, routes) and torch.equal(idx_a, routes), layer.name
+        assert not torch.equal(score_a, score_b), layer.name
+    if before:  # the family's experts module shows the indices and weights it receives
+        routes_of = {layer.name: routes for layer, routes in zip(layers, trace)}
+        weights_before = {name: w for name, _, w in before}
+        assert len(after) == len(before)
+        for (name, idx_b, _), (name_a, idx_a, w_a) in zip(before, after):
+            assert name == name_a
+            assert torch.equal(idx_b.long(), routes_of[name]) and torch.equal(idx_a.long(), routes_of[name])
+            assert not torch.equal(w_a, weights_before[name]), name
+    grads = [p.grad for r in routers for p in r.parameters() if p.requires_grad]
+    assert any(g is not None and bool(g.abs().sum() > 0) for g in grads), "router weight got no gradient"

@@ -1,5 +1,6 @@
 """Issue 2, points 1 (matching rules and precedence) and 2 (atomic, validated registration); issue 10,
-points 10 (catastrophic patterns), 11 (out-of-order exits) and 16 (linear cost, released classes).
+points 9 (fork during a load, the write lock held), 10 (catastrophic patterns), 11 (out-of-order exits)
+and 16 (linear cost, released classes); issue 14, point 1 (a scope takes a graft whole).
 
 Unit tests of ``modelgraft.registry`` (their own file): they import it directly, the one exception to
 tests using public names only (issue 14); everything else comes from the public namespaces.
@@ -10,28 +11,40 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
+import os
 import re
+import signal
+import threading
+import time
 import weakref
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 from transformers.models.llama import modeling_llama
-from transformers.models.llama.modeling_llama import LlamaMLP
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 from transformers.models.mt5 import modeling_mt5
 from transformers.models.t5 import modeling_t5
 
+import modelgraft
 from modelgraft import (
+    Concatenate,
+    Graft,
     PatchRegistrationError,
     ReplacementTypeError,
+    WeightConverter,
     apply_patches,
     clear_patch_mapping,
+    get_checkpoint_conversion_mapping,
     get_patch_mapping,
     patched,
     register_patch_mapping,
     registry,
     unregister_patch_mapping,
 )
+from modelgraft.grafts import fused_qkv_class
 from modelgraft.registry import explain, find_replacement
 
 
@@ -390,3 +403,135 @@ def test_a_removed_replacement_class_is_released(how: str) -> None:
     del cls, mapping, scope
     gc.collect()
     assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
+
+
+# ---- one graft value: a registry scope takes classes and conversions together (issue 14, point 1) --
+def _qkv_converter() -> WeightConverter:
+    names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+    return WeightConverter(names, ["self_attn.qkv_proj"], [Concatenate(dim=0)])
+
+
+def _user_graft() -> Graft:
+    """Fused QKV for Llama written by hand: a class and the conversion that goes with it."""
+    return Graft({"LlamaAttention": fused_qkv_class(LlamaAttention)}, {"llama": [_qkv_converter()]})
+
+
+def test_a_registry_scope_takes_a_graft_whole() -> None:
+    graft = _user_graft()
+    with modelgraft.registry.scoped(graft) as snap:
+        assert snap.mapping == graft.mapping
+        assert snap.conversions == {"llama": (_qkv_converter(),)}
+        assert modelgraft.registry.current() is snap
+    assert modelgraft.get_patch_mapping() == {} and get_checkpoint_conversion_mapping("llama") is None
+
+
+# ---- issue 10, point 9: fork() while another thread is inside a load ------------------------------
+# (moved from tests/integration/test_threads.py: a second thread holds ``registry._write_lock``)
+HANG_GUARD_S = 300  # only a guard against a deadlock hanging the suite, never a speed limit
+
+
+def _make_attention(i: int) -> type:
+    def __init__(self: LlamaAttention, *args: object, **kwargs: object) -> None:
+        time.sleep(0.0005)  # widen the window in which another thread could observe the swap
+        LlamaAttention.__init__(self, *args, **kwargs)
+
+    return type(f"ThreadAttention{i}", (LlamaAttention,), {"__init__": __init__})
+
+
+class ForkAttention(LlamaAttention):
+    """Blocks its load (inside the construction lock, with the swap live) until released."""
+
+    inside = threading.Event()
+    release = threading.Event()
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        ForkAttention.inside.set()
+        ForkAttention.release.wait(HANG_GUARD_S)
+        super().__init__(*args, **kwargs)
+
+
+def _child_checks(path: Path) -> str:
+    """Run in the forked child: a plain load and a registration must work, with no swap left live."""
+    from transformers.models.llama import modeling_llama
+
+    if modeling_llama.LlamaAttention is not LlamaAttention:
+        return f"the parent's swap is live in the child: {modeling_llama.LlamaAttention}"
+    model = AutoModelForCausalLM.from_pretrained(path)
+    kinds = {type(m).__name__ for m in model.modules()}
+    if "ForkAttention" in kinds or "LlamaAttention" not in kinds:
+        return f"the child's plain load built {sorted(kinds)}"
+    modelgraft.register_patch_mapping({"NoSuchBlockInTheChild": ThreadAttentionMLP})
+    with patched({"LlamaAttention": _make_attention(99)}):
+        grafted = AutoModelForCausalLM.from_pretrained(path)
+    if type(grafted.model.layers[0].self_attn).__name__ != "ThreadAttention99":
+        return "a patched load in the child did not swap"
+    return "ok"
+
+
+class ThreadAttentionMLP(torch.nn.Module):
+    """Registered (not built) in the child, to prove the registry's write lock is free there."""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork() does not exist on this platform")
+def test_fork_while_another_thread_is_inside_a_load(tiny_llama_dir: Path) -> None:
+    ForkAttention.inside.clear()
+    ForkAttention.release.clear()
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            with patched({"LlamaAttention": ForkAttention}):
+                AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    # A second thread holds the registry's write lock at the moment of the fork.
+    writer_inside, writer_release = threading.Event(), threading.Event()
+
+    def hold_registry() -> None:
+        with registry._write_lock:
+            writer_inside.set()
+            writer_release.wait(HANG_GUARD_S)
+
+    loader, writer = threading.Thread(target=load), threading.Thread(target=hold_registry)
+    loader.start()
+    writer.start()
+    read_end, write_end = os.pipe()
+    try:
+        assert ForkAttention.inside.wait(HANG_GUARD_S) and writer_inside.wait(HANG_GUARD_S)
+        pid = os.fork()
+        if pid == 0:  # the child: never return into pytest
+            status = 1
+            try:
+                os.close(read_end)
+                message = _child_checks(tiny_llama_dir)
+                status = 0 if message == "ok" else 1
+            except BaseException as exc:
+                message = f"{type(exc).__name__}: {exc}"
+            finally:
+                os.write(write_end, message.encode()[:4000])
+                os._exit(status)
+        os.close(write_end)
+        deadline = time.monotonic() + HANG_GUARD_S
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child hung (killed after the hang guard)")
+            time.sleep(0.05)
+        with os.fdopen(read_end, "rb") as pipe:
+            message = pipe.read().decode()
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, message
+        assert message == "ok"
+    finally:
+        ForkAttention.release.set()
+        writer_release.set()
+        loader.join(HANG_GUARD_S)
+        writer.join(HANG_GUARD_S)
+    assert not errors, errors
+    from transformers.models.llama import modeling_llama
+
+    assert modeling_llama.LlamaAttention is LlamaAttention
