@@ -45,8 +45,11 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_NAMES",
     "LAYOUTS",
+    "STACKED_LAYOUTS",
     "Deinterleave",
     "ExpertLayout",
+    "SplitRows",
+    "StackedLayout",
     "fused_checkpoint_converters",
     "fused_operations",
     "layout_of",
@@ -93,6 +96,102 @@ LAYOUTS: dict[str, ExpertLayout] = {
     ),
     "Llama4TextExperts": ExpertLayout(transposed=True, call="dense"),
 }
+
+
+@dataclass(frozen=True)
+class StackedLayout:
+    """Experts kept as one 2D ``(E * I, H)`` stack per role in a child module (DBRX's ``mlp``).
+
+    Expert ``e`` owns rows ``e * I`` to ``(e + 1) * I`` of each stack. Its gate and up blocks are
+    ``nn.Linear`` weights ``(I, H)`` as they stand; its down block is ``(I, H)`` too, the transpose
+    of a down ``nn.Linear`` weight ``(H, I)`` (the plain forward multiplies by it untransposed).
+
+    Attributes:
+        child: the child module holding the stacks; the per-expert list takes its name.
+        names: the gate, up and down stacks, in that order; the per-expert layers keep these names.
+        sizes: the child's attributes holding the number of experts, ``I`` and ``H``.
+        activation: the child's attribute holding the activation applied to the gate output.
+        call: ``"routed"``: ``forward(hidden_states, top_k_index, top_k_weights)``;
+            ``"scores_first"``: ``forward(x, weights, top_weights, top_experts)`` with the router's
+            full scores first and unused (DBRX on transformers 4.57). Both on ``(batch, seq, H)``.
+    """
+
+    child: str
+    names: tuple[str, str, str]
+    sizes: tuple[str, str, str]
+    activation: str
+    call: str = "routed"
+
+
+#: Families whose experts are 2D stacks in a child module (see :class:`StackedLayout`).
+STACKED_LAYOUTS: dict[str, StackedLayout] = {
+    "DbrxExperts": StackedLayout(
+        child="mlp",
+        names=("w1", "v1", "w2"),
+        sizes=("moe_num_experts", "ffn_hidden_size", "hidden_size"),
+        activation="activation_fn",
+        # transformers 4.57 passes the router's full scores before the top-k weights and ids
+        call="routed" if _compat.FUSED_MOE_EXPERTS else "scores_first",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class SplitRows(ConversionOperation):
+    """Cut dim 0 of every tensor into blocks of ``rows`` (``(E * I, H)`` -> ``(E, I, H)``); reverse joins them.
+
+    Example:
+        >>> import torch
+        >>> out = SplitRows(rows=2).convert([[torch.arange(12.0).view(6, 2)]], ConversionContext())
+        >>> tuple(out[0][0].shape)
+        (3, 2, 2)
+        >>> SplitRows(rows=2).reverse(out, ConversionContext())[0][0].shape
+        torch.Size([6, 2])
+    """
+
+    rows: int
+
+    def convert(self, tensors: TensorGroups, context: ConversionContext) -> TensorGroups:
+        for group in tensors:
+            for tensor in group:
+                if tensor.dim() < 1 or self.rows < 1 or tensor.shape[0] % self.rows:
+                    raise ConversionError(
+                        f"`SplitRows(rows={self.rows})` needs a dim 0 that is a multiple of {self.rows}; received "
+                        f"a tensor of shape {tuple(tensor.shape)}."
+                    )
+        return [[t.unflatten(0, (-1, self.rows)) for t in group] for group in tensors]  # type: ignore[no-untyped-call]
+
+    def reverse(self, tensors: TensorGroups, context: ConversionContext) -> TensorGroups:
+        return [[t.flatten(0, 1) for t in group] for group in tensors]
+
+
+def stacked_checkpoint_converters(
+    model_type: str, classes: dict[type[nn.Module], set[str]]
+) -> tuple[WeightConverter, ...]:
+    """Converters from 2D expert stacks (:class:`StackedLayout`) to per-expert ``nn.Linear`` weights.
+
+    The plain model's keys are the checkpoint's (transformers renames nothing there), so each stack
+    ``<place>.<child>.<name>`` becomes ``<place>.<child>.*.<name>.weight``, exactly reversibly.
+    """
+    from modelgraft.conversion import WeightConverter
+    from modelgraft.grafts._bundle import meta_model, original_class
+
+    places: dict[str, tuple[StackedLayout, int]] = {}
+    for path, module in meta_model(model_type).named_modules():
+        if original_class(type(module)) in classes:
+            layout = STACKED_LAYOUTS[type(module).__name__]
+            rows = int(getattr(getattr(module, layout.child), layout.sizes[1]))
+            places[".".join(path.split(".")[-2:])] = (layout, rows)
+    out = []
+    for place, (layout, rows) in sorted(places.items()):
+        for role, name in zip(("gate", "up", "down"), layout.names, strict=True):
+            ops: list[ConversionOperation] = [SplitRows(rows)]
+            if role == "down":
+                ops.append(Transpose(1, 2))
+            ops.append(SplitModulelist(dim=0))
+            prefix = f"{place}.{layout.child}"
+            out.append(WeightConverter(f"{prefix}.{name}", [f"{prefix}.*.{name}.weight"], ops))
+    return tuple(out)
 
 
 def clamped_swiglu(settings: Any, gate_up: torch.Tensor) -> torch.Tensor:
