@@ -47,6 +47,15 @@ requires_fused_experts = pytest.mark.skipif(
     reason=f"transformers {TRANSFORMERS_VERSION} stores MoE experts as a per-expert ModuleList, not fused 3D tensors",
 )
 
+#: Families whose experts stay fused on 4.57 too (3D for GPT-OSS and Llama 4, 2D stacks for DBRX):
+#: ``linear_experts`` replaces them on both lines.
+FUSED_ON_BOTH_LINES = ("gpt_oss", "llama4_text", "dbrx")
+
+
+def requires_fused_experts_unless_fused_on_both_lines(model_type: str) -> list[pytest.MarkDecorator]:
+    """``requires_fused_experts``, except for the families of :data:`FUSED_ON_BOTH_LINES`."""
+    return [] if model_type in FUSED_ON_BOTH_LINES else [requires_fused_experts]
+
 
 def requires_v5_because(why: str) -> pytest.MarkDecorator:
     """``requires_v5`` with a reason that says why the test is 5.x-only.

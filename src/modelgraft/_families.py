@@ -280,9 +280,11 @@ FAMILIES: tuple[Family, ...] = (
     # DBRX sizes its attention and experts in nested configs, with `rope_theta` and `clip_qkv` as
     # released checkpoints have them (its attention reads both; the config class defines neither
     # default); `d_model` by its own name, since the experts copy it before `hidden_size` maps onto it
+    # its experts are 2D stacks on both lines (4.57 stores them as 5 does), so covered on both
     _f(
         "dbrx",
         "moe",
+        LINEAR_EXPERTS,
         d_model=64,
         attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
         ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
-from _versions import requires_fused_experts
+from _versions import requires_fused_experts, requires_fused_experts_unless_fused_on_both_lines
 from families import family
 from modelgraft import graft_model, report
 from modelgraft.grafts import (
@@ -38,17 +38,20 @@ LAYOUT = {
     "fused_gate_up": (".gate_up_proj.weight", "mlp.gate_proj.weight"),
     "linear_experts": ("experts.0.", ".experts.gate_up_proj"),  # not `shared_experts.gate_up_proj`
 }
+#: Families whose grafted layers sit elsewhere: DBRX's per-expert layers replace the 2D stacks of
+#: its experts' child `mlp`, named as those stacks.
+LAYOUT_BY_TYPE = {("linear_experts", "dbrx"): ("experts.mlp.0.w1.weight", "experts.mlp.w1")}
 
 CASES = [
     *[pytest.param(fused_qkv, t, id=f"fused_qkv-{t}") for t in FUSED_QKV_FAMILIES],
     *[pytest.param(fused_gate_up, t, id=f"fused_gate_up-{t}") for t in FUSED_GATE_UP_FAMILIES],
     *[
-        # GPT-OSS and Llama 4 keep fused experts on 4.57 too; the others are per expert there.
+        # GPT-OSS, Llama 4 and DBRX keep fused experts on 4.57 too; the others are per expert there.
         pytest.param(
             linear_experts,
             t,
             id=f"linear_experts-{t}",
-            marks=[] if t in ("gpt_oss", "llama4_text") else requires_fused_experts,
+            marks=requires_fused_experts_unless_fused_on_both_lines(t),
         )
         for t in LINEAR_EXPERTS_FAMILIES
     ],
@@ -95,8 +98,8 @@ def _load_grafted(graft: Graft, path: Path) -> torch.nn.Module:
         return _auto(path).from_pretrained(path).eval()
 
 
-def _check_layout(name: str, model: torch.nn.Module) -> None:
-    present, absent = LAYOUT[name]
+def _check_layout(name: str, model: torch.nn.Module, model_type: str) -> None:
+    present, absent = LAYOUT_BY_TYPE.get((name, model_type), LAYOUT[name])
     keys = list(model.state_dict())
     assert any(present in k for k in keys), f"no `{present}` parameter in the grafted model"
     assert not any(absent in k for k in keys), f"`{absent}` still in the grafted model"
@@ -111,7 +114,7 @@ def test_loaded_graft_matches_plain_logits_and_saves_the_original_checkpoint_bit
     grafted = _load_grafted(graft, path)
     replacements = tuple(graft.mapping.values())
     assert any(isinstance(m, replacements) for m in grafted.modules())
-    _check_layout(make_graft.__name__, grafted)
+    _check_layout(make_graft.__name__, grafted, model_type)
     torch.testing.assert_close(_logits(grafted, model_type), _logits(plain, model_type), atol=ATOL, rtol=0)
 
     grafted.save_pretrained(tmp_path)
@@ -133,7 +136,7 @@ def test_grafting_a_built_model_in_place_keeps_its_logits(make_graft, model_type
     _, plain = checkpoint(model_type)
     grafted = graft_model(copy.deepcopy(plain), make_graft(model_type))
     assert len(report(grafted).replaced) >= 1
-    _check_layout(make_graft.__name__, grafted)
+    _check_layout(make_graft.__name__, grafted, model_type)
     torch.testing.assert_close(_logits(grafted, model_type), _logits(plain, model_type), atol=ATOL, rtol=0)
 
 

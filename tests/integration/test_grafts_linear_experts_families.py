@@ -38,6 +38,7 @@ NEWLY_SUPPORTED = (
     "granitemoehybrid",
     "granitemoe_swa",
     "aria_text",
+    "dbrx",
 )
 
 #: MoE families whose experts are not (or cannot be loaded as) sets of linear layers: the reason.
@@ -71,13 +72,8 @@ REFUSED = {
 
 #: MoE families whose experts are linear layers but are not grafted yet: what stands in the way,
 #: pinned as the error they get today (docs/grafts.md lists them as not decided, with the reason).
-NOT_DECIDED = {
-    # Each expert weight is an (E * I, H) 2D stack (`w1` gate, `v1` up, `w2` down transposed) in
-    # `DbrxExpertGLU`, called on (batch, seq, H): it needs a declared 2D layout and a reshaping
-    # conversion, which do not exist yet.
-    "dbrx": r"`DbrxExperts` stacks its experts in 2D parameters `mlp\.w1` \(128, 64\), `mlp\.v1` "
-    r"\(128, 64\), `mlp\.w2` \(128, 64\)",
-}
+#: None today: DBRX, the last one, is grafted from its 2D stacks (`StackedLayout`).
+NOT_DECIDED: dict[str, str] = {}
 
 
 def _fused_here(model_type: str) -> str | None:
@@ -85,10 +81,11 @@ def _fused_here(model_type: str) -> str | None:
     missing = missing_model_type(model_type)
     if missing is not None:
         return missing
-    if not FUSED_MOE_EXPERTS and model_type not in ("gpt_oss", "llama4_text"):
+    if not FUSED_MOE_EXPERTS and model_type not in ("gpt_oss", "llama4_text", "dbrx"):
         return (
-            f"transformers {TRANSFORMERS_VERSION} has no fused 3D experts in `{model_type}` "
-            "(per-expert layers or a layout of its own); only GPT-OSS and Llama 4 are fused there"
+            f"transformers {TRANSFORMERS_VERSION} has no fused experts in `{model_type}` "
+            "(per-expert layers or a layout of its own); only GPT-OSS, Llama 4 (3D) and DBRX (2D stacks) "
+            "are fused there"
         )
     return None
 

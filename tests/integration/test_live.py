@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Llam
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
 import modelgraft
-from _versions import requires_fused_experts
+from _versions import requires_fused_experts, requires_fused_experts_unless_fused_on_both_lines
 from families import Family, family, family_params
 from modelgraft import ConversionError, GraftError, GraftStateError, ReplacementTypeError, graft_model, report
 from modelgraft.grafts import FUSED_QKV_FAMILIES, LINEAR_EXPERTS_FAMILIES, fused_qkv, linear_experts
@@ -204,8 +204,15 @@ def test_fused_qkv_live_on_every_family(family: Family) -> None:
     _graft_live_and_compare(family, fused_qkv(family.model_type))
 
 
-@requires_fused_experts
-@pytest.mark.parametrize("family", family_params(model_types=LINEAR_EXPERTS_FAMILIES))
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param(
+            *p.values, id=p.id, marks=[*p.marks, *requires_fused_experts_unless_fused_on_both_lines(p.id)]
+        )
+        for p in family_params(model_types=LINEAR_EXPERTS_FAMILIES)
+    ],
+)
 def test_linear_experts_live_on_every_family(family: Family) -> None:
     _graft_live_and_compare(family, linear_experts(family.model_type))
 

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from weight_sync_helpers import assert_matches_plain
 
-from _versions import requires_fused_experts
+from _versions import requires_fused_experts_unless_fused_on_both_lines
 from families import auto_class, family
 from modelgraft import (
     ConversionError,
@@ -48,7 +48,12 @@ CASES = [
     *[pytest.param(fused_qkv, t, id=f"fused_qkv-{t}") for t in FUSED_QKV_FAMILIES],
     *[pytest.param(fused_gate_up, t, id=f"fused_gate_up-{t}") for t in FUSED_GATE_UP_FAMILIES],
     *[
-        pytest.param(linear_experts, t, id=f"linear_experts-{t}", marks=requires_fused_experts)
+        pytest.param(
+            linear_experts,
+            t,
+            id=f"linear_experts-{t}",
+            marks=requires_fused_experts_unless_fused_on_both_lines(t),
+        )
         for t in LINEAR_EXPERTS_FAMILIES
     ],
 ]

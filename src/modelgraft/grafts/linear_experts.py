@@ -14,7 +14,9 @@ writes experts per expert, loading needs no tensor conversion at all: the graft'
 transformers' own for that model type minus its expert merges (renamings such as
 ``block_sparse_moe`` -> ``mlp`` stay). Families whose checkpoints hold the fused tensors, and
 layouts other than the standard one (transposed, interleaved, biased, Llama 4's dense call; see
-:mod:`modelgraft.grafts._expert_layouts`), get exactly reversible converters instead.
+:mod:`modelgraft.grafts._expert_layouts`), get exactly reversible converters instead. DBRX keeps
+its experts as 2D ``(E * I, H)`` stacks in a child ``mlp``: that child becomes the per-expert list
+(``mlp.<i>.w1``/``v1``/``w2``), and the experts module keeps the plain call.
 
 The experts run by transformers' ``experts_implementation`` (:mod:`modelgraft.grafts._grouped_experts`):
 ``grouped_mm`` and ``eager`` are honoured (biases and a family's own gate included), anything
@@ -56,10 +58,13 @@ from modelgraft.grafts._bundle import (
 )
 from modelgraft.grafts._expert_layouts import (
     ACTIVATIONS,
+    STACKED_LAYOUTS,
     ExpertLayout,
+    StackedLayout,
     fused_checkpoint_converters,
     layout_of,
     split_fused,
+    stacked_checkpoint_converters,
 )
 from modelgraft.grafts._grouped_experts import ExpertsImplementationError
 from modelgraft.grafts._peft import ExpertsAdapterError
@@ -248,23 +253,36 @@ class _LinearExpertsBase(nn.ModuleList):
         self._setup(probe)
 
     def _setup(self, probe: nn.Module) -> None:
-        _peft.ensure_installed()  # PEFT must keep the expert names as module targets here
         layout = layout_of(probe)
         assert layout is not None  # _layout_problem refused experts without one before
         num, inter, hidden = split_fused(probe, layout)["gate"].shape
+        gate = _family_gate(probe, layout)
+        act_fn = getattr(probe, "act_fn", None) if gate is None else None
+        # transformers' kernel choice lives on the config (`experts_implementation=`), as for the
+        # fused experts: it is honoured or refused here, and again at every forward. Experts
+        # without a config of their own (Llama 4, 4.57) have no kernel choice in transformers.
+        self._build(num, inter, hidden, act_fn, gate, layout, probe.__dict__.get("config"))
+
+    def _build(
+        self,
+        num: int,
+        inter: int,
+        hidden: int,
+        act_fn: Callable[[torch.Tensor], torch.Tensor] | None,
+        gate: FamilyGate | None,
+        layout: ExpertLayout,
+        config: object,
+    ) -> None:
+        """Fill the list with ``num`` experts ``hidden -> inter -> hidden``, run as ``layout`` says."""
+        _peft.ensure_installed()  # PEFT must keep the expert names as module targets here
         self.num_experts = num
         self.hidden_dim = hidden
         self.intermediate_dim = inter
         self._dense_call = layout.call == "dense"
         self._weights_by_expert = layout.call == "routed_by_expert"
         self._bias = layout.bias
-        # transformers' kernel choice lives on the config (`experts_implementation=`), as for the
-        # fused experts: it is honoured or refused here, and again at every forward. Experts
-        # without a config of their own (Llama 4, 4.57) have no kernel choice in transformers.
-        self.config = probe.__dict__.get("config")
+        self.config = config
         _grouped.check_implementation(self)
-        gate = _family_gate(probe, layout)
-        act_fn = getattr(probe, "act_fn", None) if gate is None else None
         for _ in range(num):
             self.append(LinearExpert(hidden, inter, act_fn, self._expert_names, layout.bias, gate))
 
@@ -379,7 +397,129 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
-_CLASSES: dict[tuple[type, tuple[str, ...]], type[nn.Module]] = {}
+def _stacked_problem(experts: nn.Module, layout: StackedLayout) -> str | None:
+    """Why 2D-stacked ``experts`` cannot become per-expert linear layers (``None`` when they can)."""
+    child = getattr(experts, layout.child, None)
+    if not isinstance(child, nn.Module):
+        return f"it has no child module `{layout.child}` holding the expert stacks"
+    sizes = [getattr(child, name, None) for name in layout.sizes]
+    if not all(isinstance(size, int) and size > 0 for size in sizes):
+        return f"`{layout.child}` does not give its sizes as {', '.join(f'`{n}`' for n in layout.sizes)}"
+    num, inter, hidden = cast("list[int]", sizes)
+    for name in layout.names:
+        stack = getattr(child, name, None)
+        if not isinstance(stack, nn.Parameter) or tuple(stack.shape) != (num * inter, hidden):
+            shape = tuple(stack.shape) if isinstance(stack, torch.Tensor) else None
+            return (
+                f"`{layout.child}.{name}` is {shape}, not the declared (E * I, H) = ({num * inter}, {hidden})"
+            )
+    if not _is_activation(getattr(child, layout.activation, None)):
+        return f"`{layout.child}.{layout.activation}` is not an activation module or function"
+    return None
+
+
+class _StackedExpertListBase(_LinearExpertsBase):
+    """The per-expert layers of 2D-stacked experts, in the place of the child holding the stacks.
+
+    Named as the stacks (DBRX: ``mlp.3.w1``), so PEFT and the checkpoint conversion see the plain
+    names with an expert index; it routes as :class:`_LinearExpertsBase` does.
+    """
+
+    def __init__(  # the stacked experts build it from their probe, not from a config
+        self,
+        num: int,
+        inter: int,
+        hidden: int,
+        act_fn: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        nn.ModuleList.__init__(self)
+        # DBRX's experts have no config of their own, hence no kernel choice in transformers:
+        # the grouped path runs (per-expert sums as exact as the plain loop's to fp32 rounding).
+        self._build(num, inter, hidden, act_fn, None, ExpertLayout(), None)
+
+
+class _LinearStackedExpertsBase(nn.Module):
+    """2D-stacked experts (:class:`StackedLayout`) with their child replaced by per-expert layers.
+
+    The forward takes and returns what the plain experts do: ``(batch, seq, H)`` hidden states and
+    the router's choice in the plain call's order (``layout.call``).
+    """
+
+    _modelgraft_original: type[nn.Module]
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__()
+        original = self._modelgraft_original
+        layout = STACKED_LAYOUTS[original.__name__]
+        with torch.device("meta"):
+            probe = original(*args, **kwargs)
+        problem = _stacked_problem(probe, layout)
+        if problem is not None:
+            raise UnsupportedFamilyError(
+                f"`{original.__name__}` cannot become per-expert `nn.Linear` layers: {problem}."
+            )
+        child = getattr(probe, layout.child)
+        num, inter, hidden = (int(getattr(child, name)) for name in layout.sizes)
+        self.num_experts, self.ffn_hidden_size, self.hidden_size = num, inter, hidden
+        self._scores_first = layout.call == "scores_first"
+        experts_list = stacked_expert_list_class(original)(
+            num, inter, hidden, getattr(child, layout.activation)
+        )
+        setattr(self, layout.child, experts_list)
+        self._child = layout.child
+
+    def forward(
+        self, hidden_states: torch.Tensor, *routing: torch.Tensor, **named: torch.Tensor
+    ) -> torch.Tensor:
+        """The weighted sum of each token's top-k experts, shaped as ``hidden_states``.
+
+        Called as the plain experts are: ``(hidden_states, top_k_index, top_k_weights)`` on
+        transformers 5; ``(x, weights, top_weights, top_experts)`` on 4.57 (``weights``, the
+        router's full scores, unused there as here).
+
+        Raises:
+            RoutingError: the router's ids or weights are missing.
+        """
+        params = (
+            ("weights", "top_weights", "top_experts")
+            if self._scores_first
+            else ("top_k_index", "top_k_weights")
+        )
+        if len(routing) > len(params) or set(named) - set(params[len(routing) :]):
+            raise RoutingError(
+                f"`{type(self).__name__}.forward` takes `hidden_states` and {', '.join(f'`{p}`' for p in params)}; "
+                f"received {len(routing)} more positional and {sorted(named)} by name."
+            )
+        given = {**dict(zip(params, routing, strict=False)), **named}
+        ids = given.get("top_experts" if self._scores_first else "top_k_index")
+        weights = given.get("top_weights" if self._scores_first else "top_k_weights")
+        if ids is None or weights is None:
+            raise RoutingError(
+                f"`{type(self).__name__}.forward` needs the router's expert ids and weights; received `None`."
+            )
+        experts_list = getattr(self, self._child)
+        assert isinstance(experts_list, _StackedExpertListBase)  # built so in __init__
+        flat = hidden_states.reshape(-1, self.hidden_size)
+        out = experts_list._route(flat, ids.reshape(flat.shape[0], -1), weights.reshape(flat.shape[0], -1))
+        return out.view(hidden_states.shape)
+
+
+def stacked_expert_list_class(experts_class: type[nn.Module]) -> type[nn.Module]:
+    """The per-expert list class of the 2D-stacked ``experts_class`` (cached; see :class:`StackedLayout`)."""
+    experts_class = original_class(experts_class)
+    return _cached_class(
+        (experts_class, "list"),
+        f"Linear{experts_class.__name__}List",
+        _StackedExpertListBase,
+        experts_class,
+        {
+            "_expert_names": STACKED_LAYOUTS[experts_class.__name__].names,
+            RECIPE_ATTR: (stacked_expert_list_class, (experts_class,)),
+        },
+    )
+
+
+_CLASSES: dict[tuple[type, object], type[nn.Module]] = {}
 _CLASSES_LOCK = ForkSafeLock()
 
 
@@ -393,22 +533,41 @@ def linear_experts_class(
         names: names of each expert's gate, up and down layers (as in the family's checkpoints).
     """
     experts_class = original_class(experts_class)
-    key = (experts_class, tuple(names))
+    if experts_class.__name__ in STACKED_LAYOUTS:
+        # 2D stacks in a child (DBRX): the experts keep their module, the child becomes the list
+        return _cached_class(
+            (experts_class, "stacked"),
+            f"Linear{experts_class.__name__}",
+            _LinearStackedExpertsBase,
+            experts_class,
+            {RECIPE_ATTR: (linear_experts_class, (experts_class, tuple(names)))},
+        )
+    return _cached_class(
+        (experts_class, tuple(names)),
+        f"Linear{experts_class.__name__}",
+        _LinearExpertsBase,
+        experts_class,
+        {"_expert_names": tuple(names), RECIPE_ATTR: (linear_experts_class, (experts_class, tuple(names)))},
+    )
+
+
+def _cached_class(
+    key: tuple[type, object], name: str, base: type, experts_class: type[nn.Module], attrs: dict[str, object]
+) -> type[nn.Module]:
+    """The one class ``name`` (subclass of ``base``, replacing ``experts_class``) of this process."""
     with _CLASSES_LOCK:
         found = _CLASSES.get(key)
         if found is None:
-            name = f"Linear{experts_class.__name__}"
             found = cast(
                 "type[nn.Module]",
                 GraftedClass(
                     name,
-                    (_LinearExpertsBase,),
+                    (base,),
                     {
                         "__qualname__": name,
-                        "__doc__": f"`{experts_class.__name__}` as a `ModuleList` of per-expert `nn.Linear` layers.",
+                        "__doc__": f"`{experts_class.__name__}` with per-expert `nn.Linear` layers.",
                         "_modelgraft_original": experts_class,
-                        "_expert_names": tuple(names),
-                        RECIPE_ATTR: (linear_experts_class, (experts_class, tuple(names))),
+                        **attrs,
                     },
                 ),
             )
@@ -424,7 +583,17 @@ def _is_fused_experts(module: nn.Module) -> bool:
     return isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and _layout_problem(module) is None
 
 
+def _is_stacked_experts(module: nn.Module) -> bool:
+    layout = STACKED_LAYOUTS.get(type(module).__name__)
+    return layout is not None and _stacked_problem(module, layout) is None
+
+
 def _part(model_type: str) -> _Part:
+    stacked = find_modules(model_type, _is_stacked_experts)
+    if stacked:
+        # transformers (5 and 4.57) reads and writes these stacks as they are: split them on load
+        mapping = {cls.__name__: linear_experts_class(cls) for cls in stacked}
+        return _Part(mapping, stacked_checkpoint_converters(model_type, stacked))
     if not _compat.FUSED_MOE_EXPERTS and find_modules(model_type, _is_expert_list):
         # transformers 4.57 already builds per-expert `nn.Linear` experts: nothing to replace.
         return _Part({})
@@ -467,7 +636,7 @@ def _why_not(model_type: str) -> str:
             if problem is not None:
                 return f" (`{type(module).__name__}`: {problem})"
     for module in modules:
-        # Experts fused another way (DBRX: each weight an (E * I, H) stack): name what they hold.
+        # Experts fused another way (each weight an (E * I, H) stack, undeclared): name what they hold.
         params = list(module.named_parameters())
         if (
             type(module).__name__.endswith("Experts")
