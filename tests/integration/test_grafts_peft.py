@@ -48,19 +48,10 @@ FUSED = {
 FUSED_FAMILIES = ("llama", "qwen2")  # qwen2: q/k/v biases
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    made: dict[str, Path] = {}
-
-    def make(model_type: str) -> Path:
-        if model_type not in made:
-            torch.manual_seed(0)
-            path = tmp_path_factory.mktemp(f"peft-{model_type}")
-            family(model_type).causal_lm().save_pretrained(path)
-            made[model_type] = path
-        return made[model_type]
-
-    return make
+@pytest.fixture
+def checkpoint(tiny_checkpoint: Callable[[str], Path]) -> Callable[[str], Path]:
+    """The session's tiny causal-LM checkpoints (tests/conftest.py), read only here."""
+    return tiny_checkpoint
 
 
 def _load(path: Path, graft: Graft | None = None) -> torch.nn.Module:
