@@ -88,6 +88,7 @@ class _Target:
     records: list[ConversionRecord] = field(default_factory=list)
     groups: list[Group] = field(default_factory=list)  # the conversions that filled it, for saving
     hooks: list[HookMove] = field(default_factory=list)  # hook tables to hand over at swap time
+    scope: Scope | None = None  # the conversion scope a load would use for it (resolve_scopes)
 
 
 def graft_model(
@@ -131,11 +132,13 @@ def graft_model(
             return model
         root = _plan_root(model, snap)  # refused here, before anything else is looked at
         targets = _plan_targets(model, snap)
-        for target in targets:  # build, fill and check everything before touching the model
-            _build(model, target, snap)
-        # What the conversions in effect are for this model, so that a save undoes this graft
-        # whatever is registered then (see conversion/save.py).
+        # The conversions in effect for this model, as a load resolves them: they fill the
+        # replacements, and a save undoes this graft with them whatever is registered then
+        # (see conversion/save.py).
         scopes = resolve_scopes(model) if targets else []
+        for target in targets:  # build, fill and check everything before touching the model
+            target.scope = scope_for(scopes, target.path + ".")
+            _build(model, target, snap)
         _swap_in(model, targets)
         if root is not None:
             model.__class__ = root.replacement_cls
@@ -401,10 +404,9 @@ def _as_is(
 def _registered(
     model: torch.nn.Module, target: _Target, live: dict[Any, Any], wanted: dict[Any, Any]
 ) -> _Filled | None:
-    scope, converters = _converters_for(model, target.path)
-    if scope is None or not converters:
+    if target.scope is None or not target.scope.converters:
         return None
-    return _convert(scope, target.path, converters, live, wanted)
+    return _convert(target.scope, target.path, live, wanted)
 
 
 def _from_checkpoint_layout(
@@ -415,10 +417,9 @@ def _from_checkpoint_layout(
     if checkpoint is None or set(checkpoint) == set(live):
         return None
     origin = _checkpoint_origins(model, live, checkpoint)
-    scope, converters = _converters_for(model, target.path)
-    if scope is None or not converters:
+    if target.scope is None or not target.scope.converters:
         return _Filled(dict(checkpoint), origin)
-    filled = _convert(scope, target.path, converters, checkpoint, wanted)
+    filled = _convert(target.scope, target.path, checkpoint, wanted)
     filled.sources = {
         k: tuple(dict.fromkeys(o for s in srcs for o in origin[s])) for k, srcs in filled.sources.items()
     }
@@ -447,26 +448,12 @@ def _revert_builtin(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> d
     return _compat.revert_builtin_conversion(model, state)
 
 
-def _converters_for(model: torch.nn.Module, path: str) -> tuple[Scope | None, list[Any]]:
-    """The scope and conversion entry that loading would use for the module at ``path``.
-
-    The scopes come from :func:`~modelgraft.conversion.scopes.resolve_scopes`, as at load and
-    save time, so a graft in place converts with the entry (and the key locality) a load would.
-    """
-    scope = scope_for(resolve_scopes(model), path + ".")
-    return scope, (list(scope.converters) if scope is not None else [])
-
-
 def _convert(
-    scope: Scope,
-    path: str,
-    converters: list[Any],
-    source: dict[str, torch.Tensor],
-    wanted: dict[str, torch.Size],
+    scope: Scope, path: str, source: dict[str, torch.Tensor], wanted: dict[str, torch.Size]
 ) -> _Filled:
     # Planned on keys local to the scope, as a load plans them; run and recorded on global keys.
     plan = plan_groups(
-        converters,
+        list(scope.converters),
         {scope.local(k): v for k, v in wanted.items()},
         {scope.local(k): v.shape for k, v in source.items()},
         strict_sources=False,
