@@ -28,33 +28,12 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+import load_conversion  # benchmarks/ is on sys.path when a script here runs
 import modelgraft
 from modelgraft.grafts import fused_gate_up, fused_qkv
 
-MODELS = {
-    "llama": dict(
-        hidden_size=768,
-        intermediate_size=2560,
-        num_hidden_layers=14,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        vocab_size=32000,
-        tie_word_embeddings=False,
-    ),
-    "qwen2_moe": dict(
-        hidden_size=512,
-        intermediate_size=1024,
-        moe_intermediate_size=512,
-        shared_expert_intermediate_size=1024,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        num_experts=32,
-        num_experts_per_tok=4,
-        vocab_size=32000,
-        tie_word_embeddings=False,
-    ),
-}
+# The same models as the load benchmark (its table: cache folder name, config fields).
+MODELS = {name: fields for name, (_cache, fields) in load_conversion.MODELS.items()}
 TARGET = 1.10
 
 
