@@ -114,9 +114,8 @@ def revert_weight_conversion(
     reversed_ = reverse_state_dict(model, state_dict)
     if reversed_ is None:
         return dict(state_dict)
-    converted, untouched, _scopes, _from_checkpoint = reversed_
-    out = {k: state_dict[k] for k in untouched}
-    out.update(converted)
+    out = {k: state_dict[k] for k in reversed_.untouched}
+    out.update(reversed_.converted)
     return out
 
 

@@ -208,8 +208,12 @@ def _wrap_revert(engine: ConversionEngine) -> Any:
                 finally:
                     _BUILTINS_UNFILTERED.reset(token)
             # Otherwise the remaining transforms (load-time ones, renamings of legacy layouts,
-            # other sub-models) still apply.
-            return original(model, rest)
+            # other sub-models) still apply, except to keys already under their checkpoint names.
+            if not reversed_.exact:
+                return original(model, rest)
+            out = original(model, {k: v for k, v in rest.items() if k not in reversed_.exact})
+            out.update((k, rest[k]) for k in reversed_.exact)
+            return out
 
         return revert_weight_conversion
 

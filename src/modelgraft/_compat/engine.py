@@ -35,6 +35,9 @@ class Reversed(NamedTuple):
     # checkpoint's layout; else in the plain model's own layout (built with ``from_config`` and
     # grafted), which transformers' built-in reverse still turns into the checkpoint's.
     from_checkpoint: bool = True
+    # Keys of ``converted`` that carry the exact names a load read them under: transformers' own
+    # reverse must not rename them again (its renamings need not be invertible).
+    exact: frozenset[str] = frozenset()
 
 
 class ConversionEngine(Protocol):

@@ -67,8 +67,13 @@ class _Engine:
         found = reverse_state_dict(model, state_dict)
         if found is None:
             return None
-        converted, untouched, scopes, from_checkpoint = found
-        return Reversed(converted, untouched, [scope.path for scope in scopes], from_checkpoint)
+        return Reversed(
+            found.converted,
+            found.untouched,
+            [scope.path for scope in found.scopes],
+            found.from_checkpoint,
+            found.exact,
+        )
 
     def report_problem(self, model: torch.nn.Module, message: str) -> None:
         _report_for(model).problems.append(message)

@@ -158,6 +158,7 @@ def apply_load_conversions(
         for group in groups:
             _run_group(model, group, params, locate, device_for, offload, place, name)
             state.groups.append(group)
+            state.checkpoint_keys.update((k, name(k)) for k in group.flat_sources)
             missing_keys.difference_update(group.flat_targets)
             for k in group.flat_sources:
                 unexpected_keys.discard(k)

@@ -28,7 +28,9 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,7 +42,9 @@ __all__ = [
     "Concatenate",
     "ConversionContext",
     "ConversionOperation",
+    "Interleave",
     "MergeModulelist",
+    "Split",
     "SplitModulelist",
     "TensorGroups",
     "Transpose",
@@ -61,11 +65,15 @@ class ConversionContext:
             parameters the result goes into (one list per target pattern); ``None`` otherwise.
         source_shapes: on save (``reverse``), the shapes this operation's ``convert`` received,
             one list per input group: what ``reverse`` must give back.
+        config: the config of the (sub)model the converter belongs to, for operations that need
+            it (transformers' ``PermuteForRope`` reads the head count there); ``None`` when the
+            engine runs without a model.
     """
 
     num_targets: int = 1
     target_shapes: ShapeGroups | None = None
     source_shapes: ShapeGroups | None = None
+    config: Any = None
 
 
 class ConversionOperation:
@@ -303,21 +311,132 @@ class SplitModulelist(ConversionOperation):
 class Transpose(ConversionOperation):
     """Swap ``dim0`` and ``dim1`` of every tensor; its own reverse.
 
+    With ``check_dims=True`` a tensor that already has the target parameter's shape is left as
+    it is (checkpoints of one family exist in both layouts); the reverse then transposes only what
+    ``convert`` transposed, so the save gives back the layout that was loaded.
+
     Example:
         >>> import torch
         >>> tuple(Transpose(0, 1).convert([[torch.ones(2, 3)]], ConversionContext())[0][0].shape)
         (3, 2)
+        >>> ctx = ConversionContext(target_shapes=[[torch.Size([2, 3])]])
+        >>> tuple(Transpose(0, 1, check_dims=True).convert([[torch.ones(2, 3)]], ctx)[0][0].shape)
+        (2, 3)
     """
 
     dim0: int = 0
     dim1: int = 1
+    check_dims: bool = False
+
+    def _keep(self, t: torch.Tensor, shape: Sequence[int] | None) -> bool:
+        return self.check_dims and shape is not None and tuple(t.shape) == tuple(shape)
 
     def convert(self, tensors: TensorGroups, context: ConversionContext) -> TensorGroups:
         for group in tensors:
             for t in group:
                 _check_dim(t, self.dim0, "Transpose")
                 _check_dim(t, self.dim1, "Transpose")
-        return [[t.transpose(self.dim0, self.dim1) for t in group] for group in tensors]
+        if self.check_dims and context.target_shapes is None:
+            raise ConversionError(
+                "`Transpose(check_dims=True)` compares each tensor with the model parameter it becomes, so it "
+                "must be the last operation of its converter (the engine knows target shapes only there)."
+            )
+        shapes = context.target_shapes
+        return [
+            [
+                t if self._keep(t, shapes[i][j] if shapes is not None else None) else t.transpose(self.dim0, self.dim1)
+                for j, t in enumerate(group)
+            ]
+            for i, group in enumerate(tensors)
+        ]
 
     def reverse(self, tensors: TensorGroups, context: ConversionContext) -> TensorGroups:
-        return [[t.transpose(self.dim0, self.dim1) for t in group] for group in tensors]
+        shapes = context.source_shapes
+        return [
+            [
+                t if self._keep(t, shapes[i][j] if shapes is not None else None) else t.transpose(self.dim0, self.dim1)
+                for j, t in enumerate(group)
+            ]
+            for i, group in enumerate(tensors)
+        ]
+
+
+@dataclass(frozen=True)
+class Interleave(ConversionOperation):
+    """De-interleave rows along ``dim``: ``[g0, u0, g1, u1, ...] -> [g0, g1, ..., u0, u1, ...]``.
+
+    Checkpoints that store a fused gate/up projection with gate and up rows alternating become
+    the halves-after-halves layout; ``inverse=True`` interleaves instead. The reverse is the
+    other direction, so a save writes the alternating rows back exactly.
+
+    Example:
+        >>> import torch
+        >>> Interleave(dim=0).convert([[torch.arange(6.0)]], ConversionContext())[0][0].tolist()
+        [0.0, 2.0, 4.0, 1.0, 3.0, 5.0]
+    """
+
+    dim: int = 0
+    inverse: bool = False
+
+    def _apply(self, t: torch.Tensor, inverse: bool) -> torch.Tensor:
+        _check_dim(t, self.dim, "Interleave")
+        dim = self.dim % t.dim()
+        size = t.shape[dim]
+        if size % 2:
+            raise ConversionError(
+                f"`Interleave(dim={self.dim})` needs an even size along dim {self.dim}; received shape "
+                f"{tuple(t.shape)}."
+            )
+        split = [2, size // 2] if inverse else [size // 2, 2]
+        shape = [*t.shape[:dim], *split, *t.shape[dim + 1 :]]
+        return t.reshape(shape).transpose(dim, dim + 1).reshape(t.shape)
+
+    def convert(self, tensors: TensorGroups, context: ConversionContext) -> TensorGroups:
+        return [[self._apply(t, self.inverse) for t in group] for group in tensors]
+
+    def reverse(self, tensors: TensorGroups, context: ConversionContext) -> TensorGroups:
+        return [[self._apply(t, not self.inverse) for t in group] for group in tensors]
+
+
+@dataclass(frozen=True)
+class Split(ConversionOperation):
+    """Split one tensor along ``dim`` into one part per target, each sized like its model parameter.
+
+    Unlike :class:`Chunk`, the sizes always come from the target parameters (fused QKV with
+    grouped-query heads, a fused projection of four unequal parts), so ``Split`` must be the last
+    operation of its converter. The reverse concatenates.
+
+    Example:
+        >>> import torch
+        >>> ctx = ConversionContext(num_targets=2, target_shapes=[[torch.Size([1])], [torch.Size([3])]])
+        >>> [p[0].tolist() for p in Split(dim=0).convert([[torch.arange(4.0)]], ctx)]
+        [[0.0], [1.0, 2.0, 3.0]]
+    """
+
+    dim: int = 0
+
+    def convert(self, tensors: TensorGroups, context: ConversionContext) -> TensorGroups:
+        shapes = context.target_shapes
+        if len(tensors) != 1:
+            raise ConversionError(f"`Split` splits one source; received {len(tensors)} groups.")
+        if shapes is None:
+            raise ConversionError(
+                "`Split` sizes its parts like the model parameters they become, so it must be the last "
+                "operation of its converter (the engine knows target shapes only there)."
+            )
+        out: TensorGroups = [[] for _ in shapes]
+        for j, t in enumerate(tensors[0]):
+            _check_dim(t, self.dim, "Split")
+            sizes = [s[j][self.dim] for s in shapes]
+            if sum(sizes) != t.shape[self.dim]:
+                raise ConversionError(
+                    f"`Split(dim={self.dim})`: the target sizes {sizes} add up to {sum(sizes)}, but the source "
+                    f"has size {t.shape[self.dim]} along dim {self.dim} (shape {tuple(t.shape)})."
+                )
+            for i, part in enumerate(torch.split(t, sizes, dim=self.dim)):
+                out[i].append(part)
+        return out
+
+    def reverse(self, tensors: TensorGroups, context: ConversionContext) -> TensorGroups:
+        n = _single_inner_length(tensors, "Split.reverse")
+        return [[torch.cat([group[j] for group in tensors], dim=self.dim) for j in range(n)]]

@@ -85,12 +85,12 @@ class WeightConverter:
         "base_model_prefix",
         "operations",
         "scope_prefix",
-        "source_patterns",
-        "target_patterns",
+        "_source_patterns",
+        "_target_patterns",
     )
 
-    source_patterns: tuple[str, ...]
-    target_patterns: tuple[str, ...]
+    _source_patterns: tuple[str, ...]
+    _target_patterns: tuple[str, ...]
     operations: tuple[ConversionOperation, ...]
     scope_prefix: str | None
     base_model_prefix: str | None
@@ -119,17 +119,27 @@ class WeightConverter:
                     "source_patterns=..., target_patterns=..., **kwargs)` method). Use `modelgraft.Concatenate`, "
                     "`Chunk`, ... or subclass `modelgraft.ConversionOperation`."
                 )
-        object.__setattr__(self, "source_patterns", sources)
-        object.__setattr__(self, "target_patterns", targets)
+        object.__setattr__(self, "_source_patterns", sources)
+        object.__setattr__(self, "_target_patterns", targets)
         object.__setattr__(self, "operations", ops)
         object.__setattr__(self, "scope_prefix", None)
         object.__setattr__(self, "base_model_prefix", None)
         self._compile()
 
+    @property
+    def source_patterns(self) -> Sequence[str]:
+        """The checkpoint-side patterns, in the order the operations receive them."""
+        return self._source_patterns
+
+    @property
+    def target_patterns(self) -> Sequence[str]:
+        """The model-side patterns, in the order the operations produce them."""
+        return self._target_patterns
+
     def _compile(self) -> None:
         from modelgraft.conversion._hf_patterns import TransformMatcher, is_plain_pattern
 
-        sources, targets, ops = self.source_patterns, self.target_patterns, self.operations
+        sources, targets, ops = self._source_patterns, self._target_patterns, self.operations
         many_to_first = not ops and len(targets) == 1 and len(sources) > 1
         hf = (
             type(self).always_transformers_semantics
@@ -189,7 +199,7 @@ class WeightConverter:
     def __reduce__(self) -> tuple[Any, ...]:
         return (
             _rebuild_converter,
-            (type(self), self.source_patterns, self.target_patterns, self.operations, self._scope()),
+            (type(self), self._source_patterns, self._target_patterns, self.operations, self._scope()),
         )
 
     def __eq__(self, other: object) -> bool:
@@ -204,7 +214,7 @@ class WeightConverter:
         return (self.scope_prefix, self.base_model_prefix)
 
     def _key(self) -> tuple[Any, ...]:
-        return (self.source_patterns, self.target_patterns, self.operations, self._scope())
+        return (self._source_patterns, self._target_patterns, self.operations, self._scope())
 
     @property
     def is_reversible(self) -> bool:

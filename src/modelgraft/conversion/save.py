@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -28,7 +29,7 @@ from modelgraft.conversion.originals import original_shapes
 from modelgraft.conversion.scopes import STATE_ATTR, ConversionState, Scope, resolve_scopes, scope_for
 from modelgraft.report import ConversionRecord, _report_for
 
-__all__ = ["GRAFT_ATTR", "remember_graft", "reverse_state_dict"]
+__all__ = ["GRAFT_ATTR", "Reversal", "remember_graft", "reverse_state_dict"]
 
 #: The conversion groups of each ``graft_model`` call on a model, oldest first.
 GRAFT_ATTR = "_modelgraft_graft_stages"
@@ -109,7 +110,11 @@ def _undo_stage(
     return out
 
 
-def _reverse_group(group: Group, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _reverse_group(
+    group: Group, state_dict: Mapping[str, torch.Tensor], names: Mapping[str, str] | None = None
+) -> dict[str, torch.Tensor]:
+    """The group's sources, rebuilt from its targets in ``state_dict``; ``names`` renames them."""
+    names = names or {}
     tensors = [[state_dict[k] for k in ks] for ks in group.targets]
     out = run_reverse(group, tensors)
     # Split outputs stay views of the fused tensor: safetensors writes non-overlapping views as
@@ -117,22 +122,33 @@ def _reverse_group(group: Group, state_dict: Mapping[str, torch.Tensor]) -> dict
     # reverse of a `Transpose`) is copied: it would be anyway to be written, and transformers 4.57
     # cannot check views sharing a storage for overlap unless they are contiguous.
     return {
-        name: value if value.is_contiguous() else value.contiguous()
-        for names, values in zip(group.sources, out)
-        for name, value in zip(names, values)
+        names.get(name, name): value if value.is_contiguous() else value.contiguous()
+        for keys, values in zip(group.sources, out)
+        for name, value in zip(keys, values)
     }
 
 
-def reverse_state_dict(
-    model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]
-) -> tuple[dict[str, torch.Tensor], list[str], list[Scope], bool] | None:
+class Reversal(NamedTuple):
+    """A state dict with the model's conversions reversed (see :func:`reverse_state_dict`)."""
+
+    converted: dict[str, torch.Tensor]
+    untouched: list[str]
+    scopes: list[Scope]
+    from_checkpoint: bool
+    #: Keys of ``converted`` written under the exact checkpoint names they were loaded from.
+    exact: frozenset[str]
+
+
+def reverse_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> Reversal | None:
     """Reverse the model's conversions in ``state_dict``.
 
-    Returns ``(converted, untouched_keys, scopes, from_checkpoint)``: ``converted`` maps original
+    Returns ``(converted, untouched_keys, scopes, from_checkpoint, exact)``: ``converted`` maps original
     keys to tensors (in the state dict's order), ``untouched_keys`` are keys of ``state_dict`` no
     conversion covers, ``from_checkpoint`` tells whether the model was loaded through modelgraft's
     conversions (the result is then the checkpoint's layout; otherwise it is the plain model's own
-    layout, which transformers' built-in reverse still has to turn into the checkpoint's). ``None``
+    layout, which transformers' built-in reverse still has to turn into the checkpoint's). ``exact``
+    holds the keys of ``converted`` that a load group read from the checkpoint: they carry the very
+    names the checkpoint had, and no renaming of transformers' must touch them again. ``None``
     when no conversion entry applies to the model.
 
     Raises:
@@ -148,16 +164,23 @@ def reverse_state_dict(
     keys = list(work)
     present = set(keys)
     groups = [g for g in state.groups if all(k in present for k in g.flat_targets)]
+    loaded = {id(g) for g in groups}
     covered = {k for g in groups for k in g.flat_targets}
     groups += _plan_missing_groups(model, state.scopes, keys, covered)
     first_target = {g.flat_targets[0]: g for g in groups}
     consumed = {k for g in groups for k in g.flat_targets}
     converted: dict[str, torch.Tensor] = {}
     untouched: list[str] = []
+    exact: set[str] = set()
     for key in keys:
         group = first_target.get(key)
         if group is not None:
-            converted.update(_reverse_group(group, work))
+            if id(group) in loaded:
+                rebuilt = _reverse_group(group, work, state.checkpoint_keys)
+                exact.update(rebuilt)
+            else:
+                rebuilt = _reverse_group(group, work)
+            converted.update(rebuilt)
             _report_for(model).conversions.append(
                 ConversionRecord(
                     repr(group.converter), tuple(group.flat_targets), tuple(group.flat_sources), "save"
@@ -169,4 +192,4 @@ def reverse_state_dict(
             untouched.append(key)
         else:  # made by undoing an in-place graft: not in the caller's state dict
             converted[key] = work[key]
-    return converted, untouched, state.scopes, state.loaded
+    return Reversal(converted, untouched, state.scopes, state.loaded, frozenset(exact))

@@ -67,6 +67,10 @@ class ConversionState:
     scopes: list[Scope]
     groups: list[Group] = field(default_factory=list)
     loaded: bool = False
+    #: The checkpoint key each source of a load group was read from. transformers may have
+    #: renamed it before modelgraft planned the group; a save writes it back under this name, as
+    #: it was, instead of asking transformers to undo a renaming that may not be invertible.
+    checkpoint_keys: dict[str, str] = field(default_factory=dict)
 
 
 def _is_pretrained(module: torch.nn.Module) -> bool:

@@ -1,0 +1,126 @@
+"""Every key of transformers' own conversion table, loaded and saved through modelgraft (issue 18).
+
+For each key of the installed transformers' built-in conversion table (``transformers.
+conversion_mapping`` on 5.x; 4.57 has none, so the walk is empty there and says so), a tiny model
+of the key's class is built, saved in its original checkpoint layout and loaded with plain
+transformers, all in a process that never imports modelgraft (``table_walk/plain_worker.py``).
+Here the same checkpoint is loaded with the entry re-expressed in :mod:`modelgraft.porting`'s
+classes inside ``patched({}, conversions={key: entry})``, and compared with the plain load:
+
+- the loaded state dict, bit for bit (keys, dtypes, shapes, values, NaN positions);
+- the loading report (missing, unexpected and mismatched keys);
+- the saved files, bit for bit (file names, tensor names, dtypes, shapes, values).
+
+A key whose model plain transformers cannot build here is skipped with its reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import modelgraft as mg
+from table_walk import jobs
+from table_walk.translate import to_porting_entry
+
+WORKER = Path(__file__).parent / "table_walk" / "plain_worker.py"
+TABLE = jobs.table()
+
+pytestmark = pytest.mark.slow
+
+# transformers' own round trip of this family drops keys that modelgraft keeps; the walk lists it
+# as transformers' defect instead of asking modelgraft to drop them too.
+TRANSFORMERS_DEFECTS: dict[str, str] = {}
+
+
+@pytest.fixture(scope="session")
+def plain_walk(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], dict[str, str]]:
+    root = tmp_path_factory.mktemp("table_walk")
+    skipped = jobs.write_jobs(root, sorted(TABLE))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}
+    env["HF_HUB_OFFLINE"] = "1"
+    done = subprocess.run(
+        [sys.executable, str(WORKER), str(root)], env=env, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, f"the plain worker failed:\n{done.stderr[-3000:]}"
+    results = json.loads((root / "results.json").read_text())
+    return root, results, skipped
+
+
+def _keys() -> list[Any]:
+    if not TABLE:
+        return [pytest.param(None, marks=pytest.mark.skip(reason="this transformers has no conversion table"))]
+    return sorted(TABLE)
+
+
+def _compare_tensors(kind: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    problems = []
+    if set(got) != set(want):
+        problems.append(
+            f"{kind}: keys differ; only in modelgraft's {sorted(set(got) - set(want))[:8]}, "
+            f"only in plain transformers' {sorted(set(want) - set(got))[:8]}"
+        )
+    for key in sorted(set(got) & set(want)):
+        a, b = got[key], want[key]
+        if a.dtype != b.dtype or a.shape != b.shape:
+            problems.append(f"{kind}: `{key}` is {a.dtype} {tuple(a.shape)}, plain {b.dtype} {tuple(b.shape)}")
+        elif not torch.equal(torch.isnan(a), torch.isnan(b)) if a.is_floating_point() else False:
+            problems.append(f"{kind}: `{key}` has NaN where plain has none (or the other way)")
+        elif not torch.equal(a.nan_to_num(), b.nan_to_num()) if a.is_floating_point() else not torch.equal(a, b):
+            problems.append(f"{kind}: `{key}` values differ")
+    return problems
+
+
+def _saved(folder: Path) -> tuple[list[str], dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(load_file(str(folder / name)))
+    return files, tensors
+
+
+def _report(info: dict[str, Any]) -> dict[str, list[str]]:
+    out = {}
+    for name in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        value = info.get(name) or []
+        out[name] = sorted(str(v[0] if isinstance(v, tuple) else v) for v in value)
+    return out
+
+
+@pytest.mark.parametrize("key", _keys())
+def test_table_entry_loads_and_saves_like_transformers(key: str, plain_walk, tmp_path: Path) -> None:
+    import transformers
+
+    root, results, skipped = plain_walk
+    if key in skipped:
+        pytest.skip(f"`{key}`: {skipped[key]}")
+    result = results[key]
+    if result["status"] != "ok":
+        pytest.skip(f"`{key}` cannot be built by plain transformers here: {result['reason']}")
+    job = json.loads((root / "jobs.json").read_text())[key]
+    folder = root / job["folder"]
+    cls = getattr(transformers, job["class"])
+    entry = to_porting_entry(TABLE[key])
+    with mg.patched({}, conversions={key: entry}):
+        loaded, info = cls.from_pretrained(folder / "original", output_loading_info=True)
+    plain_state = torch.load(folder / "plain_loaded.pt")
+    state = {k: v.detach() for k, v in loaded.state_dict().items()}
+    problems = _compare_tensors("loaded state dict", state, plain_state)
+    if _report(info) != result["report"]:
+        problems.append(f"loading report: modelgraft {_report(info)}, plain {result['report']}")
+    loaded.save_pretrained(tmp_path / "saved")
+    files, saved = _saved(tmp_path / "saved")
+    plain_files, plain_saved = _saved(folder / "plain_saved")
+    if files != plain_files:
+        problems.append(f"saved files: modelgraft {files}, plain {plain_files}")
+    problems += _compare_tensors("saved checkpoint", saved, plain_saved)
+    assert not problems, f"`{key}` ({job['class']}) differs from plain transformers:\n" + "\n".join(problems)
