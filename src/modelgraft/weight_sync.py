@@ -34,6 +34,7 @@ import torch
 
 from modelgraft import _compat
 from modelgraft.conversion._plan import Group, run_reverse
+from modelgraft.conversion.ops import model_config
 from modelgraft.conversion.originals import _originals_bound
 from modelgraft.conversion.save import GRAFT_ATTR, _plan_missing_groups, _state
 from modelgraft.errors import ConversionError, IrreversibleConversionError
@@ -289,7 +290,8 @@ def _stream(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for unit, reverting in zip(units, revert):
         memo: dict[int, list[torch.Tensor]] = {}
-        pairs = {name: _evaluate(ref, live, memo) for name, ref in zip(unit.names, unit.refs)}
+        with model_config(getattr(model, "config", None)):
+            pairs = {name: _evaluate(ref, live, memo) for name, ref in zip(unit.names, unit.refs)}
         del memo
         if reverting:
             reverted = _revert_builtin(model, pairs)

@@ -33,7 +33,7 @@ class _Engine:
         return has_any_conversions()
 
     def scope_paths(self, model: torch.nn.Module) -> list[str]:
-        return [scope.path for scope in resolve_scopes(model)]
+        return [path for scope in resolve_scopes(model) for path in (scope.path, *scope.absorbed)]
 
     def remember(self, model: torch.nn.Module) -> None:
         remember_conversions(model)

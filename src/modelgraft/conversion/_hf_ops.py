@@ -120,7 +120,9 @@ class TransformersOperation(ConversionOperation):
         return id(self.op)
 
     @staticmethod
-    def _run(op: Any, tensors: TensorGroups, sources: Sequence[str], targets: Sequence[str]) -> TensorGroups:
+    def _run(
+        op: Any, tensors: TensorGroups, sources: Sequence[str], targets: Sequence[str], config: Any = None
+    ) -> TensorGroups:
         keys = _keys_for(len(tensors), sources, targets)
         out = op.convert(
             dict(zip(keys, [list(g) for g in tensors])),
@@ -128,13 +130,13 @@ class TransformersOperation(ConversionOperation):
             target_patterns=list(targets),
             full_layer_name=None,
             model=None,
-            config=None,
+            config=config,
             missing_keys=None,
         )
         return _as_groups(out, op, targets, sources)
 
     def convert(self, tensors: TensorGroups, context: ConversionContext) -> TensorGroups:
-        return self._run(self.op, tensors, self.sources, self.targets)
+        return self._run(self.op, tensors, self.sources, self.targets, context.config)
 
     def _reverse_op(self) -> Any:
         try:
@@ -154,5 +156,5 @@ class TransformersOperation(ConversionOperation):
                 "cannot be written. Give it a `reverse_op`, or save the grafted layout with "
                 "`model.save_pretrained(path, save_original_format=False)`."
             )
-        groups = self._run(rev, tensors, self.targets, self.sources)
+        groups = self._run(rev, tensors, self.targets, self.sources, context.config)
         return [[t.contiguous() if isinstance(t, torch.Tensor) else t for t in g] for g in groups]

@@ -23,10 +23,24 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from modelgraft.conversion.rules import WeightRenaming
+from modelgraft.conversion.rules import WeightConverter, WeightRenaming
 from modelgraft.errors import ConversionError
 
-__all__ = ["GroupWeightRename", "PrefixChange"]
+__all__ = ["GroupWeightRename", "PrefixChange", "TransformersConverter", "TransformersRenaming"]
+
+
+class TransformersRenaming(WeightRenaming):
+    """A :class:`WeightRenaming` that matches as transformers does even with plain dotted patterns."""
+
+    __slots__ = ()
+    always_transformers_semantics = True
+
+
+class TransformersConverter(WeightConverter):
+    """A :class:`WeightConverter` that matches as transformers does even with plain dotted patterns."""
+
+    __slots__ = ()
+    always_transformers_semantics = True
 
 
 class PrefixChange(WeightRenaming):

@@ -24,6 +24,7 @@ from modelgraft.conversion._plan import Group, Plan, plan_groups, run_convert
 from modelgraft.conversion._safetensors import read_ranges_into
 from modelgraft.conversion._sources import FileSource, StateDictSource, TensorSource
 from modelgraft.conversion.keys import translate_checkpoint_keys
+from modelgraft.conversion.ops import model_config
 from modelgraft.conversion.originals import cached_original_shapes
 from modelgraft.conversion.scopes import STATE_ATTR, ConversionState, Scope, resolve_scopes, scope_for
 from modelgraft.errors import ConversionError
@@ -99,6 +100,23 @@ def apply_load_conversions(
             sources of a group mix dtypes or skip a ``*`` index, an operation fails on them, or a
             converted tensor does not fit its parameter.
     """
+    with model_config(getattr(model, "config", None)):
+        return _apply_load_conversions(
+            model, checkpoint_files, missing_keys, unexpected_keys, device_for, rename, offload, place, state_dict
+        )
+
+
+def _apply_load_conversions(
+    model: torch.nn.Module,
+    checkpoint_files: Sequence[str] | None,
+    missing_keys: set[str],
+    unexpected_keys: set[str],
+    device_for: Callable[[str], torch.device | str | int],
+    rename: Callable[[str], str] | None,
+    offload: Callable[[str, torch.Tensor], None] | None,
+    place: Callable[[str, torch.Tensor], bool] | None,
+    state_dict: Mapping[str, torch.Tensor] | None,
+) -> ConversionState | None:
     scopes = resolve_scopes(model)
     if not scopes:
         return None

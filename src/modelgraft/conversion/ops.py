@@ -28,8 +28,10 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,10 +50,28 @@ __all__ = [
     "SplitModulelist",
     "TensorGroups",
     "Transpose",
+    "model_config",
 ]
 
 TensorGroups = list[list[torch.Tensor]]
 ShapeGroups = list[list[torch.Size]]
+
+
+_MODEL_CONFIG: ContextVar[Any] = ContextVar("modelgraft_conversion_model_config", default=None)
+
+
+@contextmanager
+def model_config(config: Any) -> Iterator[None]:
+    """Hand ``config`` to every :class:`ConversionContext` made in this block (a load, save or graft).
+
+    The engine runs operations deep inside planned groups; the config of the model being loaded
+    or saved reaches them this way instead of through every call in between.
+    """
+    token = _MODEL_CONFIG.set(config)
+    try:
+        yield
+    finally:
+        _MODEL_CONFIG.reset(token)
 
 
 @dataclass(frozen=True)
@@ -65,15 +85,15 @@ class ConversionContext:
             parameters the result goes into (one list per target pattern); ``None`` otherwise.
         source_shapes: on save (``reverse``), the shapes this operation's ``convert`` received,
             one list per input group: what ``reverse`` must give back.
-        config: the config of the (sub)model the converter belongs to, for operations that need
-            it (transformers' ``PermuteForRope`` reads the head count there); ``None`` when the
-            engine runs without a model.
+        config: the config of the model being loaded, saved or grafted, for operations that need
+            it (transformers' ``PermuteForRope`` reads the head count there, as transformers
+            hands it the model's config); ``None`` when the engine runs without a model.
     """
 
     num_targets: int = 1
     target_shapes: ShapeGroups | None = None
     source_shapes: ShapeGroups | None = None
-    config: Any = None
+    config: Any = field(default_factory=_MODEL_CONFIG.get)
 
 
 class ConversionOperation:

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from modelgraft.conversion._plan import Group, plan_groups, run_reverse
+from modelgraft.conversion.ops import model_config
 from modelgraft.conversion.originals import original_shapes
 from modelgraft.conversion.scopes import STATE_ATTR, ConversionState, Scope, resolve_scopes, scope_for
 from modelgraft.report import ConversionRecord, _report_for
@@ -154,6 +155,11 @@ def reverse_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Te
     Raises:
         IrreversibleConversionError: an operation without a reverse.
     """
+    with model_config(getattr(model, "config", None)):
+        return _reverse_state_dict(model, state_dict)
+
+
+def _reverse_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> Reversal | None:
     stages = model.__dict__.get(GRAFT_ATTR) or []
     state = _state(model)
     if state is None:

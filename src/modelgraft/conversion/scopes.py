@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from modelgraft.conversion._chain import chained_entry
 from modelgraft.conversion._plan import Group
 from modelgraft.conversion.rules import Conversions, has_any_conversions, lookup_conversions
 
@@ -38,6 +39,9 @@ class Scope:
     converters: Conversions
     class_name: str
     model_type: str | None
+    #: Sub-model paths whose entries (modelgraft's or transformers') are chained into this root
+    #: scope's converters, as transformers chains them (see :mod:`modelgraft.conversion._chain`).
+    absorbed: tuple[str, ...] = ()
 
     def owns(self, param: str) -> bool:
         return not self.path or param.startswith(self.path + ".")
@@ -102,6 +106,11 @@ def resolve_scopes(model: torch.nn.Module) -> list[Scope]:
         if same_model or (enclosing and enclosing[-1].converters == converters):
             continue
         scopes.append(Scope(path, key, converters, type(module).__name__, model_type))
+    if scopes and not scopes[0].path:
+        chain = chained_entry(model)
+        if chain is not None:
+            root = scopes[0]
+            return [Scope("", root.key, chain[0], root.class_name, root.model_type, chain[1])]
     return scopes
 
 
