@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from modelgraft import registry
-from modelgraft.conversion._hf_plan import _rename
+from modelgraft.conversion._hf_plan import _rename, rename_key
 from modelgraft.conversion.rules import WeightConverter
 
 __all__ = ["get_model_conversion_mapping", "rename_source_key", "revert_weight_conversion"]
@@ -141,29 +141,22 @@ def rename_source_key(
         ('layers.0.experts.gate_proj', 'experts.*.w1.weight')
     """
 
-    def renamings(key: str) -> str:
-        for r in weight_renamings:
-            found = _rename(r, key)
-            if found is not None:
-                key = found[0]
-        return key
-
-    def converters(key: str) -> tuple[str, str | None]:
-        for c in weight_converters:
+    if reverse:
+        key, conv, found = source_key, None, None
+        for c in weight_converters:  # the save direction: converter first, then the renamings
             found = _rename(c, key)
             if found is not None:
-                return found[0], c.source_patterns[found[1]]
-        return key, None
-
-    if reverse:
-        key, pattern = converters(source_key)
-        key = renamings(key)
-    else:
-        key, pattern = converters(renamings(source_key))
+                key, conv = found[0], c
+                break
+        key = rename_key(key, weight_renamings, [])[0]
+    else:  # the loader's own rule: every renaming in turn, then at most one converter
+        key, conv, found, _fired = rename_key(source_key, weight_renamings, weight_converters)
+    pattern = conv.source_patterns[found[1]] if conv is not None and found is not None else None
     if base_model_prefix and meta_state_dict is not None:
         stripped = re.sub(f"^{re.escape(base_model_prefix)}\\.", "", key, count=1)
-        if key.startswith(base_model_prefix) and stripped != key and stripped in meta_state_dict:
+        # As transformers: a key of the meta state dict counts when its value is not None.
+        if key.startswith(base_model_prefix) and stripped != key and meta_state_dict.get(stripped) is not None:
             key = stripped
-        elif f"{base_model_prefix}.{key}" in meta_state_dict:
+        elif meta_state_dict.get(f"{base_model_prefix}.{key}") is not None:
             key = f"{base_model_prefix}.{key}"
     return key, pattern

@@ -60,6 +60,8 @@ from modelgraft.conversion.builtin_ops import (
     VisionUnfuseAndPermuteForRope,
 )
 from modelgraft.conversion.builtin_rules import GroupWeightRename as _GroupWeightRename
+from modelgraft.conversion.builtin_rules import IndexOffsetRenaming as _IndexOffsetRenaming
+from modelgraft.conversion.builtin_rules import LayerPairCollapse as _LayerPairCollapse
 from modelgraft.conversion.builtin_rules import PrefixChange as _PrefixChange
 from modelgraft.conversion.rules import (
     get_checkpoint_conversion_mapping,
@@ -75,7 +77,9 @@ __all__ = [
     "ErnieFuseAndSplitTextVisionExperts",
     "ErnieSplitAndDecoupleTextVisionExperts",
     "GroupWeightRename",
+    "Inkling2IndexOffsetWeightRename",
     "Interleave",
+    "LayerPairCollapse",
     "LinearToConv3d",
     "MergeModulelist",
     "PermuteForRope",
@@ -154,6 +158,22 @@ class PrefixChange(_PrefixChange, WeightRenaming):
 
 class GroupWeightRename(_GroupWeightRename, WeightRenaming):
     """transformers' ``GroupWeightRename`` (a :class:`WeightRenaming`), with list-valued patterns."""
+
+    __slots__ = ()
+
+
+class LayerPairCollapse(_LayerPairCollapse, WeightRenaming):
+    """transformers' ``LayerPairCollapse``: two blocks per decoder layer folded into one layer.
+
+    Unlike transformers (which keeps the folded names on save), a save writes the two-block
+    checkpoint names back, as every modelgraft conversion does.
+    """
+
+    __slots__ = ()
+
+
+class Inkling2IndexOffsetWeightRename(_IndexOffsetRenaming, WeightRenaming):
+    """transformers' ``Inkling2IndexOffsetWeightRename``: a renaming that shifts its captured index."""
 
     __slots__ = ()
 

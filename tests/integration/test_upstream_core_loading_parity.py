@@ -1,9 +1,12 @@
 """Parity with transformers' ``tests/utils/test_core_model_loading.py`` (as of 5.23/5.24), our own code.
 
-Each test names the upstream case it mirrors. Upstream loads a state dict with
+Each test names the upstream case it mirrors, and imports transformers' names from
+:mod:`modelgraft.porting` (the one import line a port changes). Upstream loads a state dict with
 ``convert_and_load_state_dict_in_model(model, state_dict, LoadStateDictConfig(weight_mapping=...))``;
-the public equivalent here is ``from_pretrained`` of a checkpoint folder with the mapping registered
-for the model's class (``modelgraft.patched(conversions=...)``), which runs the same engine users get.
+every load here runs twice (the ``loader`` fixture): through ``modelgraft.porting``'s
+``convert_and_load_state_dict_in_model`` as upstream calls it, and through ``from_pretrained`` of a
+checkpoint folder with the mapping registered for the model's class
+(``modelgraft.patched(conversions=...)``).
 Which upstream cases are covered, which test private internals, and the deliberate differences
 are listed in docs/porting.md.
 """
@@ -18,11 +21,11 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 import modelgraft as mg
 from _versions import IS_V5
-from modelgraft import (
+from modelgraft import ConversionContext
+from modelgraft.porting import (
     Chunk,
     Concatenate,
     Conv3dToLinear,
-    ConversionContext,
     ErnieFuseAndSplitTextVisionExperts,
     GroupWeightRename,
     LinearToConv3d,
@@ -33,6 +36,7 @@ from modelgraft import (
     VisionUnfuseAndPermuteForRope,
     WeightConverter,
     WeightRenaming,
+    convert_and_load_state_dict_in_model,
     get_checkpoint_conversion_mapping,
     get_model_conversion_mapping,
     register_checkpoint_conversion_mapping,
@@ -127,8 +131,28 @@ class DummyGQARoot(_Base):
         self.post_init()
 
 
+LOADERS = ("convert_and_load_state_dict_in_model", "from_pretrained")
+_LOADER = {"name": LOADERS[0]}
+
+
+@pytest.fixture(autouse=True, params=LOADERS)
+def loader(request):
+    """Every test runs with both loaders (see the module docstring)."""
+    _LOADER["name"] = request.param
+    yield request.param
+
+
 def load(tmp_path, cls, checkpoint, mapping, config=None, **init):
-    """Save ``checkpoint`` as a model folder and load it into ``cls`` with ``mapping`` registered."""
+    """Load ``checkpoint`` into ``cls`` through ``mapping``, with the loader of this run."""
+    if _LOADER["name"] == "convert_and_load_state_dict_in_model":
+        from types import SimpleNamespace
+
+        model = cls(config or PretrainedConfig(), **init)
+        info, _ = convert_and_load_state_dict_in_model(
+            model, dict(checkpoint), SimpleNamespace(weight_mapping=list(mapping))
+        )
+        model.tie_weights()
+        return model, info.to_dict()
     folder = tmp_path / f"ckpt_{len(list(tmp_path.iterdir()))}"
     (config or PretrainedConfig()).save_pretrained(folder)
     save_file(

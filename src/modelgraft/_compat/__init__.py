@@ -48,7 +48,11 @@ from modelgraft._compat._version import (
     is_supported,
 )
 from modelgraft._compat.engine import ConversionEngine
-from modelgraft._compat.loading import builtin_checkpoint_conversions, builtin_conversion_exists
+from modelgraft._compat.loading import (
+    builtin_checkpoint_conversions,
+    builtin_conversion_exists,
+    transformers_load_info_class,
+)
 from modelgraft._compat.models import (
     auto_model_class,
     causal_lm_loss,
@@ -71,6 +75,7 @@ __all__ = [
     "ConversionEngine",
     "auto_model_class",
     "builtin_checkpoint_conversions",
+    "transformers_load_info_class",
     "builtin_conversion_exists",
     "causal_lm_loss",
     "check_supported",

@@ -23,6 +23,7 @@ __all__ = [
     "ConversionEngine",
     "Reversed",
     "builtin_checkpoint_conversions",
+    "transformers_load_info_class",
     "builtin_conversion_exists",
     "install",
     "installed",
@@ -76,3 +77,17 @@ def builtin_checkpoint_conversions(model_type: str) -> list[Any]:
     if not HAS_BUILTIN_CONVERSION:
         return []
     return _wiring.builtin_checkpoint_conversions(model_type)
+
+
+def transformers_load_info_class() -> Any:
+    """transformers' ``LoadStateDictInfo`` (what its state-dict loader returns), or ``None`` on 4.57.
+
+    Example:
+        >>> (transformers_load_info_class() is None) == (not HAS_BUILTIN_CONVERSION)
+        True
+    """
+    try:
+        from transformers.utils.loading_report import LoadStateDictInfo  # 5.x only
+    except ImportError:
+        return None
+    return LoadStateDictInfo

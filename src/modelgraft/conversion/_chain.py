@@ -25,6 +25,8 @@ import torch
 from modelgraft import _compat, registry
 from modelgraft.conversion.builtin_rules import (
     GroupWeightRename,
+    IndexOffsetRenaming,
+    LayerPairCollapse,
     PrefixChange,
     TransformersConverter,
     TransformersRenaming,
@@ -39,7 +41,7 @@ Chain = tuple[tuple[WeightConverter, ...], tuple[str, ...]]
 
 def from_transformers(transform: Any) -> WeightConverter | None:
     """modelgraft's transform for one of transformers' (same patterns, same operations), or ``None``
-    for a renaming whose behaviour is code of its own (``LayerPairCollapse``, ...)."""
+    for a transform class modelgraft does not know (its behaviour is code of its own)."""
     name = type(transform).__name__
     sources = list(getattr(transform, "_original_source_patterns", None) or [])
     targets = list(getattr(transform, "_original_target_patterns", None) or [])
@@ -52,6 +54,10 @@ def from_transformers(transform: Any) -> WeightConverter | None:
         ours = TransformersConverter(sources, targets, list(transform.operations))
     elif name == "WeightRenaming":
         ours = TransformersRenaming(sources, targets)
+    elif name == "LayerPairCollapse":
+        ours = LayerPairCollapse()
+    elif name == "Inkling2IndexOffsetWeightRename":
+        ours = IndexOffsetRenaming(sources, targets, offset=transform.offset)
     else:
         return None
     return ours

@@ -45,3 +45,6 @@ class Plan:
 
     groups: list[Group] = field(default_factory=list)
     unsourced_targets: list[tuple[WeightConverter, str]] = field(default_factory=list)
+    #: Source names of groups that differ from the key they are read from (the base model prefix
+    #: added or stripped as the load did): name -> key of the planner's ``source_shapes``.
+    read_from: dict[str, str] = field(default_factory=dict)

@@ -19,17 +19,20 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import torch
 
 from modelgraft.conversion._groups import Group, Plan
 from modelgraft.conversion._hf_patterns import HFTargetPattern
 from modelgraft.conversion.keys import are_segment_patterns
-from modelgraft.conversion.rules import WeightConverter
+from modelgraft.conversion.rules import WeightConverter, WeightRenaming
 from modelgraft.errors import MissingSourceKeyError
 
-__all__ = ["natural_key", "plan_hf_groups", "rename_key"]
+__all__ = ["AS_IS", "natural_key", "plan_hf_groups", "rename_key"]
+
+#: The converter recorded for a checkpoint key loaded under its own name by modelgraft's engine.
+AS_IS = WeightRenaming("as_is", "as_is")
 
 #: One key's rename: (new key, source pattern, ``*`` index, prefix, suffix, captured group).
 _Found = tuple[str, int, int | None, str, str, str | None]
@@ -56,6 +59,10 @@ def _rename_plain(conv: WeightConverter, key: str) -> _Found | None:
 
 
 def _rename(conv: WeightConverter, key: str) -> _Found | None:
+    custom = getattr(conv, "renamed", None)
+    if custom is not None:  # a renaming whose rule is code (LayerPairCollapse, IndexOffsetRenaming)
+        new = custom(key)
+        return None if new is None else (new, 0, None, "", "", None)
     if not conv._hf:
         return _rename_plain(conv, key)
     matcher = conv._matcher
@@ -122,6 +129,22 @@ def _base_adjust(key: str, base: str | None, model_keys: set[str]) -> str:
     return key
 
 
+def _saved_name(key: str, renamed: str, adjusted: str, base: str | None) -> str:
+    """``key`` with the base model prefix added or stripped as the load did to its renamed form.
+
+    A save writes what the model's keys reverse to, and transformers never puts back a base
+    prefix it stripped (or takes off one it added) on the way in.
+    """
+    if adjusted == renamed or not base:
+        return key
+    dotted = f"{base}."
+    if adjusted == dotted + renamed:
+        return key if key.startswith(dotted) else dotted + key
+    if renamed.startswith(dotted) and key.startswith(dotted):
+        return key[len(dotted) :]
+    return key
+
+
 def _shift(found: _Found, renamed: str, adjusted: str, base: str | None) -> _Found | None:
     """``found`` with its prefix moved by the base-prefix adjustment of ``renamed`` to ``adjusted``."""
     if adjusted == renamed:
@@ -141,12 +164,15 @@ def plan_hf_groups(
     source_shapes: Mapping[str, torch.Size],
     strict_sources: bool = True,
     base_model_prefix: str | None = None,
+    unfilled: Collection[str] = (),
 ) -> Plan:
     """Plan the groups of an entry with transformers' semantics (see the module docstring).
 
     With ``base_model_prefix``, ``source_shapes`` holds checkpoint keys as they are (not yet moved
     into the model's key space) and, as in transformers, a renamed key gains or loses that prefix
-    where this names one of ``target_keys``.
+    where this names one of ``target_keys``. A key that no transform changes also forms a group
+    when it names a key of ``unfilled`` (what the loader left empty): transformers' engine, which
+    no longer holds the entry, may have put that key elsewhere.
     """
     plan = Plan()
     targets = list(target_keys)
@@ -165,6 +191,9 @@ def plan_hf_groups(
     for key in keys:
         renamed, conv, found, fired = rename_key(key, renamings, convs)
         adjusted = _base_adjust(renamed, base_model_prefix, model_keys)
+        saved = _saved_name(key, renamed, adjusted, base_model_prefix)
+        if saved != key:
+            plan.read_from[saved] = key
         if conv is not None:
             assert found is not None  # rename_key returns the match with its converter
             found = _shift(found, renamed, adjusted, base_model_prefix)
@@ -172,15 +201,15 @@ def plan_hf_groups(
                 continue
         renamed = adjusted
         if conv is None:
-            if fired and renamed != key and renamed in wanted:
-                plan.groups.append(
-                    Group(fired[0], ((key,),), ((renamed,),), [[torch.Size(source_shapes[key])]])
-                )
+            moved = bool(fired) and renamed != key
+            if renamed in wanted and (moved or renamed in unfilled):
+                label = fired[0] if fired else AS_IS
+                plan.groups.append(Group(label, ((saved,),), ((renamed,),), [[torch.Size(source_shapes[key])]]))
                 wanted.discard(renamed)
             continue
         assert found is not None  # shifted above: a converter's match
         slot = (convs.index(conv), renamed)
-        collected.setdefault(slot, []).append((found[1], found[2], key))
+        collected.setdefault(slot, []).append((found[1], found[2], saved))
         matches.setdefault(slot, found)
     for (position, _renamed), items in collected.items():
         conv = convs[position]
@@ -200,7 +229,7 @@ def plan_hf_groups(
                 )
             continue
         sources = tuple(tuple(k for _, k in sorted(p, key=lambda x: x[0])) for p in per_pattern)
-        shapes = [[torch.Size(source_shapes[k]) for k in ks] for ks in sources]
+        shapes = [[torch.Size(source_shapes[plan.read_from.get(k, k)]) for k in ks] for ks in sources]
         plan.groups.append(Group(conv, sources, tuple(tuple(g) for g in target_groups), shapes))
         wanted.difference_update(k for g in target_groups for k in g)
     return plan

@@ -16,7 +16,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 
@@ -39,6 +39,7 @@ def plan_groups(
     source_shapes: Mapping[str, torch.Size],
     strict_sources: bool = True,
     base_model_prefix: str | None = None,
+    unfilled: Collection[str] = (),
 ) -> Plan:
     """Plan the groups of ``converters`` for a model whose parameters are ``target_keys``.
 
@@ -48,13 +49,13 @@ def plan_groups(
         source_shapes: checkpoint-side keys (already in the model's key space) and their shapes.
         strict_sources: raise :class:`MissingSourceKeyError` when a group finds some but not all
             of its source patterns.
-        base_model_prefix: only for entries with transformers' semantics, see
+        base_model_prefix, unfilled: only for entries with transformers' semantics, see
             :func:`modelgraft.conversion._hf_plan.plan_hf_groups`.
     """
     if any(conv._hf for conv in converters):
         from modelgraft.conversion._hf_plan import plan_hf_groups
 
-        return plan_hf_groups(converters, target_keys, source_shapes, strict_sources, base_model_prefix)
+        return plan_hf_groups(converters, target_keys, source_shapes, strict_sources, base_model_prefix, unfilled)
     plan = Plan()
     target_keys = list(target_keys)
     taken: set[str] = set()

@@ -7,8 +7,9 @@ any operation written for transformers (see :mod:`modelgraft.conversion._hf_ops`
 exact reverse.
 
 Operations that need the model's head count (:class:`PermuteForRope` and the two vision ones)
-take it as ``num_heads=`` or from ``config=`` (a config, or the config's ``subconfig_key``
-sub-config): modelgraft does not hand the model's config to operations.
+take it as ``num_heads=``, from ``config=`` given to the operation, or, as in transformers, from
+the config of the model being loaded or saved, which the engine hands to every operation (the
+``subconfig_key`` sub-config where one is named).
 
 Example:
     >>> import torch
@@ -200,8 +201,10 @@ def _heads(config: Any, subconfig_key: str | None, num_heads: int | None, op: st
         if heads is not None:
             return heads
     raise ConversionError(
-        f"`{op}` needs the number of attention heads: pass `num_heads=` or `config=` (modelgraft does not "
-        "hand the model's config to operations)."
+        f"`{op}` needs the number of attention heads: pass `num_heads=` or `config=`, or run it inside a "
+        "load or save, which hands it the model's config (with `num_attention_heads`"
+        + (f" in its `{subconfig_key}`" if subconfig_key else "")
+        + ")."
     )
 
 
@@ -251,7 +254,7 @@ class PermuteForRope(_Op):
 
     def _apply(self, tensor: torch.Tensor, config: Any = None) -> torch.Tensor:
         heads = _heads(
-            config if config is not None else self.config,
+            self.config if self.config is not None else config,
             self.subconfig_key,
             self.num_heads,
             "PermuteForRope",

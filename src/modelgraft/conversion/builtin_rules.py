@@ -26,7 +26,14 @@ from typing import Any
 from modelgraft.conversion.rules import WeightConverter, WeightRenaming
 from modelgraft.errors import ConversionError
 
-__all__ = ["GroupWeightRename", "PrefixChange", "TransformersConverter", "TransformersRenaming"]
+__all__ = [
+    "GroupWeightRename",
+    "IndexOffsetRenaming",
+    "LayerPairCollapse",
+    "PrefixChange",
+    "TransformersConverter",
+    "TransformersRenaming",
+]
 
 
 class TransformersRenaming(WeightRenaming):
@@ -127,3 +134,87 @@ class GroupWeightRename(WeightRenaming):
                 f"received {source_patterns!r} and {target_patterns!r}."
             )
         super().__init__(list(source_patterns), list(target_patterns))
+
+
+class LayerPairCollapse(TransformersRenaming):
+    """Fold checkpoints that store each decoder layer as two blocks: ``layers.{2i}`` (attention) and
+    ``layers.{2i+1}`` (MLP) become ``layers.{i}.self_attn`` and ``layers.{i}.mlp``, and the blocks'
+    ``attn_alpha``/``mlp_alpha`` become ``layers.{i}.lambda_1``/``lambda_2`` (transformers' name).
+
+    A save writes the two-block names back (modelgraft records what each load renamed).
+
+    Example:
+        >>> LayerPairCollapse().renamed("model.layers.3.mixer.up_proj.weight")
+        'model.layers.1.mlp.up_proj.weight'
+        >>> LayerPairCollapse().renamed("model.layers.2.attn_alpha")
+        'model.layers.1.lambda_1'
+    """
+
+    __slots__ = ()
+    _BLOCK = re.compile(r"layers\.(\d+)\.(mixer|attn_alpha|mlp_alpha)(?=\.|$)")
+
+    def __init__(self) -> None:
+        super().__init__(r"layers\.(\d+)", r"layers.\1")
+
+    def renamed(self, key: str) -> str | None:
+        """``key`` renamed, or ``None`` when it is not a two-block key."""
+        found = self._BLOCK.search(key)
+        if found is None:
+            return None
+        index, part = int(found[1]), found[2]
+        name = {"attn_alpha": "lambda_1", "mlp_alpha": "lambda_2"}.get(part) or ("self_attn", "mlp")[index % 2]
+        return f"{key[: found.start()]}layers.{index // 2}.{name}{key[found.end() :]}"
+
+    def __repr__(self) -> str:
+        return "LayerPairCollapse()"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_simple, (type(self), (), self._scope()))
+
+
+class IndexOffsetRenaming(TransformersRenaming):
+    r"""A renaming whose captured index is shifted by ``offset`` (checkpoints whose per-layer list
+    starts at another layer: ``attn_queries.{i}`` belongs to ``layers.{i + 1}``).
+
+    Example:
+        >>> IndexOffsetRenaming(r"attn_queries\.(\d+)", r"layers.\1.query", offset=1).renamed("m.attn_queries.4")
+        'm.layers.5.query'
+    """
+
+    __slots__ = ("offset",)
+
+    offset: int
+
+    def __init__(self, source_patterns: str | Sequence[str], target_patterns: str | Sequence[str], offset: int) -> None:
+        if not isinstance(offset, int) or isinstance(offset, bool):
+            raise ConversionError(f"`offset` must be an int; received {offset!r}.")
+        object.__setattr__(self, "offset", offset)
+        super().__init__(source_patterns, target_patterns)
+
+    def renamed(self, key: str) -> str | None:
+        """``key`` with its captured index shifted, or ``None`` when no source pattern matches."""
+        matcher = self._matcher
+        assert matcher is not None  # always transformers' semantics
+        found = matcher.rename(key)
+        if found is None or found.captured is None or not found.captured.isdigit():
+            return None if found is None else found.key
+        shifted = matcher.targets[0].fill(str(int(found.captured) + self.offset))
+        return found.prefix + shifted + found.suffix
+
+    def __repr__(self) -> str:
+        return f"IndexOffsetRenaming({list(self.source_patterns)} -> {list(self.target_patterns)}, offset={self.offset})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _rebuild_simple,
+            (type(self), (tuple(self.source_patterns), tuple(self.target_patterns), self.offset), self._scope()),
+        )
+
+
+def _rebuild_simple(
+    cls: type[WeightRenaming], args: tuple[Any, ...], scope: tuple[str | None, str | None]
+) -> WeightRenaming:
+    renaming = cls(*args)
+    if scope != (None, None):
+        renaming.scope_prefix, renaming.base_model_prefix = scope
+    return renaming

@@ -153,6 +153,7 @@ def _apply_load_conversions(
         return to_ckpt.get(model_key, model_key)
 
     plans: list[tuple[Scope, Plan, list[Group]]] = []
+    in_checkpoint_space: set[str] = set()  # paths of scopes planned on checkpoint keys
     for scope in scopes:
         # With transformers' renaming semantics a renamed checkpoint key never loads as itself, so
         # every key of the scope may be a target (a group then overwrites what loaded by name).
@@ -165,7 +166,11 @@ def _apply_load_conversions(
             src_shapes = {new: source.shape(c) for c, new in renamed.items()}
             to_ckpt.update((new, c) for c, new in renamed.items() if new not in to_ckpt)
             base = getattr(model, "base_model_prefix", "") or None
-            plan = plan_groups(scope.converters, owned_missing, src_shapes, base_model_prefix=base)
+            plan = plan_groups(
+                scope.converters, owned_missing, src_shapes, base_model_prefix=base, unfilled=missing_keys
+            )
+            in_checkpoint_space.add(scope.path)
+            to_ckpt.update((saved, to_ckpt[key]) for saved, key in plan.read_from.items())
         else:
             src_shapes = {scope.local(m): source.shape(c) for c, m in to_model.items() if scope.owns(m)}
             plan = plan_groups(scope.converters, owned_missing, src_shapes)
@@ -177,6 +182,8 @@ def _apply_load_conversions(
             _run_group(model, group, params, locate, device_for, offload, place, name)
             state.groups.append(group)
             state.checkpoint_keys.update((k, name(k)) for k in group.flat_sources)
+            if scope.path in in_checkpoint_space:
+                state.checkpoint_space.update(group.flat_sources)
             missing_keys.difference_update(group.flat_targets)
             for k in group.flat_sources:
                 unexpected_keys.discard(k)

@@ -73,8 +73,28 @@ def _originals_bound() -> Iterator[None]:
         yield
 
 
+def _torch_dtypes(config: Any) -> Any:
+    """``config`` with ``dtype`` fields named by string (``"float32"``, as a loaded config holds them)
+    turned into torch dtypes, in it and its sub-configs: some modules build tensors with
+    ``dtype=config.dtype`` in their constructor (Apertus 1.5's xIELU) and fail on a string."""
+    seen: set[int] = set()
+
+    def fix(cfg: Any) -> None:
+        if id(cfg) in seen or not hasattr(cfg, "to_dict"):
+            return
+        seen.add(id(cfg))
+        value = getattr(cfg, "dtype", None)
+        if isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype):
+            cfg.dtype = getattr(torch, value)
+        for name in getattr(cfg, "sub_configs", None) or {}:
+            fix(getattr(cfg, name, None))
+
+    fix(config)
+    return config
+
+
 def original_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
     """Keys and shapes of the original (unpatched) model class, built on the meta device."""
     with _originals_bound(), _compat.meta_device():
-        original = type(model)(copy.deepcopy(model.config))
+        original = type(model)(_torch_dtypes(copy.deepcopy(model.config)))
     return {k: v.shape for k, v in original.state_dict().items()}

@@ -111,11 +111,7 @@ def _undo_stage(
     return out
 
 
-def _reverse_group(
-    group: Group, state_dict: Mapping[str, torch.Tensor], names: Mapping[str, str] | None = None
-) -> dict[str, torch.Tensor]:
-    """The group's sources, rebuilt from its targets in ``state_dict``; ``names`` renames them."""
-    names = names or {}
+def _reverse_group(group: Group, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     tensors = [[state_dict[k] for k in ks] for ks in group.targets]
     out = run_reverse(group, tensors)
     # Split outputs stay views of the fused tensor: safetensors writes non-overlapping views as
@@ -123,9 +119,9 @@ def _reverse_group(
     # reverse of a `Transpose`) is copied: it would be anyway to be written, and transformers 4.57
     # cannot check views sharing a storage for overlap unless they are contiguous.
     return {
-        names.get(name, name): value if value.is_contiguous() else value.contiguous()
-        for keys, values in zip(group.sources, out)
-        for name, value in zip(keys, values)
+        name: value if value.is_contiguous() else value.contiguous()
+        for names, values in zip(group.sources, out)
+        for name, value in zip(names, values)
     }
 
 
@@ -136,7 +132,7 @@ class Reversal(NamedTuple):
     untouched: list[str]
     scopes: list[Scope]
     from_checkpoint: bool
-    #: Keys of ``converted`` written under the exact checkpoint names they were loaded from.
+    #: Keys of ``converted`` already under the checkpoint names they were loaded from.
     exact: frozenset[str]
 
 
@@ -148,8 +144,8 @@ def reverse_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Te
     conversion covers, ``from_checkpoint`` tells whether the model was loaded through modelgraft's
     conversions (the result is then the checkpoint's layout; otherwise it is the plain model's own
     layout, which transformers' built-in reverse still has to turn into the checkpoint's). ``exact``
-    holds the keys of ``converted`` that a load group read from the checkpoint: they carry the very
-    names the checkpoint had, and no renaming of transformers' must touch them again. ``None``
+    holds the keys of ``converted`` that a load group planned on checkpoint keys read: they carry
+    the names the checkpoint had, and no renaming of transformers' must touch them again. ``None``
     when no conversion entry applies to the model.
 
     Raises:
@@ -181,11 +177,9 @@ def _reverse_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.T
     for key in keys:
         group = first_target.get(key)
         if group is not None:
+            rebuilt = _reverse_group(group, work)
             if id(group) in loaded:
-                rebuilt = _reverse_group(group, work, state.checkpoint_keys)
-                exact.update(rebuilt)
-            else:
-                rebuilt = _reverse_group(group, work)
+                exact.update(k for k in rebuilt if k in state.checkpoint_space)
             converted.update(rebuilt)
             _report_for(model).conversions.append(
                 ConversionRecord(

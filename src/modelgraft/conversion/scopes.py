@@ -71,10 +71,13 @@ class ConversionState:
     scopes: list[Scope]
     groups: list[Group] = field(default_factory=list)
     loaded: bool = False
-    #: The checkpoint key each source of a load group was read from. transformers may have
-    #: renamed it before modelgraft planned the group; a save writes it back under this name, as
-    #: it was, instead of asking transformers to undo a renaming that may not be invertible.
+    #: The checkpoint key each source of a load group was read from (transformers may have renamed
+    #: it before modelgraft planned the group).
     checkpoint_keys: dict[str, str] = field(default_factory=dict)
+    #: Sources of load groups planned on checkpoint keys (an entry with transformers' semantics at
+    #: the root): a save writes them under these names, and transformers' own reverse must not
+    #: rename them again (its renamings need not be invertible: llava's ``lm_head``).
+    checkpoint_space: set[str] = field(default_factory=set)
 
 
 def _is_pretrained(module: torch.nn.Module) -> bool:

@@ -26,12 +26,45 @@ _PREFERRED_MAPPINGS = (
 )
 
 
+class WeightRenaming:
+    """One ``_checkpoint_conversion_mapping`` item of transformers 4.57, shaped like 5.x's renaming
+    (what :mod:`table_walk.translate` reads), so that both tables walk the same way."""
+
+    scope_prefix = None
+    base_model_prefix = None
+
+    def __init__(self, source: str, target: str) -> None:
+        self._original_source_patterns = [source]
+        self._original_target_patterns = [target]
+
+
+def _table_v4() -> dict[str, list[Any]]:
+    """transformers 4.57's conversion table: the ``_checkpoint_conversion_mapping`` of each model
+    class that declares one (renamings of legacy checkpoint layouts, applied by its loader)."""
+    import transformers
+
+    found: dict[str, list[Any]] = {}
+    for name in dir(transformers):
+        if not name[:1].isupper():
+            continue
+        try:
+            cls = getattr(transformers, name)
+        except Exception:  # noqa: BLE001 - an optional dependency missing: not a model class here
+            continue
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            mapping = cls.__dict__.get("_checkpoint_conversion_mapping")
+            if mapping:
+                found[name] = [WeightRenaming(k, v) for k, v in mapping.items()]
+    return found
+
+
 def table() -> dict[str, list[Any]]:
-    """transformers' built-in conversion table, every key (5.x; empty where there is none)."""
+    """The installed transformers' conversion table, every key: 5.x's ``conversion_mapping``, or
+    4.57's per-class ``_checkpoint_conversion_mapping``."""
     try:
         from transformers import conversion_mapping as tcm
     except ImportError:
-        return {}
+        return _table_v4()
     tcm.get_checkpoint_conversion_mapping("llama")  # fills the cache
     return {k: tcm.get_checkpoint_conversion_mapping(k) or [] for k in tcm._checkpoint_conversion_mapping_cache}
 

@@ -3,8 +3,9 @@
 Reads ``jobs.json`` (one job per key of transformers' conversion table: the model class to build
 and the folder holding its tiny ``config.json``), and for each job:
 
-1. builds the model from the config with a fixed seed and saves it with transformers' own
-   ``save_pretrained`` into ``original/`` (the original checkpoint layout);
+1. builds the model from the config with a fixed seed, writes its state dict (``built.pt``) and
+   saves it with transformers' own ``save_pretrained`` into ``original/`` (the original
+   checkpoint layout);
 2. loads ``original/`` with plain ``from_pretrained(output_loading_info=True)``, writes the
    loaded state dict (``plain_loaded.pt``) and the loading report;
 3. saves that model again into ``plain_saved/``.
@@ -52,6 +53,7 @@ def run_job(job: dict, folder: Path) -> dict:
             model = cls._from_config(config)
     except Exception as e:  # noqa: BLE001 - recorded as the family's reason
         return {"status": "unbuildable", "reason": f"construction: {type(e).__name__}: {str(e)[:300]}"}
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, folder / "built.pt")
     try:
         model.save_pretrained(folder / "original")
     except Exception as e:  # noqa: BLE001
