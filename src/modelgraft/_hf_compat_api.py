@@ -155,7 +155,11 @@ def rename_source_key(
     if base_model_prefix and meta_state_dict is not None:
         stripped = re.sub(f"^{re.escape(base_model_prefix)}\\.", "", key, count=1)
         # As transformers: a key of the meta state dict counts when its value is not None.
-        if key.startswith(base_model_prefix) and stripped != key and meta_state_dict.get(stripped) is not None:
+        if (
+            key.startswith(base_model_prefix)
+            and stripped != key
+            and meta_state_dict.get(stripped) is not None
+        ):
             key = stripped
         elif meta_state_dict.get(f"{base_model_prefix}.{key}") is not None:
             key = f"{base_model_prefix}.{key}"

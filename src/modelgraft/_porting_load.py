@@ -56,7 +56,9 @@ def _as_transformers_semantics(transform: Any) -> WeightConverter:
             return transform
         twin: WeightConverter
         if transform.operations:
-            twin = TransformersConverter(transform.source_patterns, transform.target_patterns, transform.operations)
+            twin = TransformersConverter(
+                transform.source_patterns, transform.target_patterns, transform.operations
+            )
         else:
             twin = TransformersRenaming(transform.source_patterns, transform.target_patterns)
         if transform.scope_prefix is not None:

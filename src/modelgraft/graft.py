@@ -101,7 +101,7 @@ class Graft:
         name: str | None = None,
     ) -> None:
         mapping = {} if mapping is None else mapping
-        registry._validate(mapping, "scoped")  # raises before anything exists
+        registry.validate_classes(mapping, "scoped")  # raises before anything exists
         piece = Piece(dict(mapping), validate_conversions(conversions))
         self.name = name if name is not None else " + ".join(piece.mapping) or "conversions"
         self.model_types: tuple[str, ...] = ()
@@ -209,10 +209,6 @@ class Graft:
     def __repr__(self) -> str:
         return f"Graft(name={self.name!r}, model_types={self.model_types!r})"
 
-    def __modelgraft_entries__(self) -> tuple[Mapping[str, type], Mapping[str, tuple[WeightConverter, ...]]]:
-        """Its classes and validated conversions, for :func:`modelgraft.registry.scoped`."""
-        return self._mapping, self._conversions
-
     def __reduce__(self) -> Any:
         # Ready-made pieces are closures; a graft pickles as what it resolves to.
         return (_rebuild, (self.name, self.model_types, tuple(_plain(p) for p in self._pieces)))
@@ -297,7 +293,7 @@ def scope(
     """
     if isinstance(mapping, Graft):
         graft = mapping if conversions is None else mapping + Graft(conversions=conversions)
-        with registry.scoped(graft, strict=strict) as snap:
+        with registry.scoped(graft._mapping, conversions=graft._conversions, strict=strict) as snap:
             yield snap
         return
     # a plain mapping: validated once, by the registry itself

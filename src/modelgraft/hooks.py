@@ -37,7 +37,7 @@ import torch
 from modelgraft import _compat, conversion, recorders, registry, swap
 from modelgraft.graft import Graft, scope
 from modelgraft.registry import Snapshot
-from modelgraft.report import _report_for, check_strict, diagnose_load, strict_requested
+from modelgraft.report import check_strict, diagnose_load, report_for, strict_requested
 
 __all__ = ["apply_patches", "install", "installed", "patched", "uninstall", "unpatched"]
 
@@ -194,7 +194,7 @@ def _loaded_class(cls: type, load: _Load) -> type:
 def _after_load(model: torch.nn.Module, load: _Load, info: dict[Any, Any] | None) -> None:
     replaced = swap.replaced_modules(model, load.swap)
     recorders.patch_output_recorders(model, replacements=load.swap.replacements())
-    rep = _report_for(model)
+    rep = report_for(model)
     rep.problems.extend(p for p in load.problems if p not in rep.problems)
     rep.replaced.extend(replaced)
     used = {key for r in replaced for key in r.key.split(" | ")}

@@ -67,7 +67,7 @@ from modelgraft.conversion.scopes import Scope, resolve_scopes, scope_for
 from modelgraft.errors import ConversionError, GraftError, GraftStateError, ReplacementTypeError
 from modelgraft.graft import Graft, as_graft, scope
 from modelgraft.registry import Snapshot
-from modelgraft.report import ConversionRecord, ReplacedModule, _report_for
+from modelgraft.report import ConversionRecord, ReplacedModule, report_for
 
 __all__ = ["graft_model"]
 
@@ -144,7 +144,7 @@ def graft_model(
             model.__class__ = root.replacement_cls
         if targets:
             remember_graft(model, [g for t in targets for g in t.groups], scopes)
-    rep = _report_for(model)
+    rep = report_for(model)
     used = {t.key for t in targets}
     if root is not None:
         used.add(root.key)

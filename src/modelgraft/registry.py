@@ -332,7 +332,7 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _validate(mapping: object, source: str) -> list[_Entry]:
+def validate_classes(mapping: object, source: str) -> list[_Entry]:
     """Validate every entry of ``mapping`` and return them; raise before anything changes."""
     if not isinstance(mapping, Mapping):
         raise PatchRegistrationError(
@@ -462,6 +462,36 @@ def _global_entries(kind: str) -> dict[str, Any]:
     return {e.key: e.value for e in _global.table(kind)}
 
 
+def global_conversions() -> dict[str, tuple[Any, ...]]:
+    """The globally registered conversion entries alone (no scoped block), as a new dict.
+
+    Example:
+        >>> global_conversions()
+        {}
+    """
+    return _global_entries(CONVERSIONS)
+
+
+def add_conversions(
+    conversions: Mapping[str, tuple[Any, ...]],
+    *,
+    overwrite: bool,
+    duplicate: Callable[[str, Any], Exception],
+) -> None:
+    """Register (already validated) conversion entries globally in one step, all or nothing.
+
+    ``duplicate(key, registered)`` makes the error for a key already registered while
+    ``overwrite`` is False; an overwritten key keeps its position.
+    """
+    _add({CONVERSIONS: _Additions(_conversion_entries(conversions, "global"), overwrite, duplicate)})
+
+
+def remove_conversions(keys: Iterable[str], *, unknown: Callable[[list[str], list[str]], Exception]) -> None:
+    """Remove global conversion entries in one step, all or nothing; ``unknown(missing, registered)``
+    makes the error for keys that are not registered."""
+    _remove({CONVERSIONS: _Removals(list(keys), unknown)})
+
+
 def _duplicate_patch(key: str, existing: type) -> PatchRegistrationError:
     return PatchRegistrationError(
         f"Patch key `{key}` is already registered (to `{existing.__qualname__}`). Pass `overwrite=True` to "
@@ -490,7 +520,7 @@ def register(
     """
     _add(
         {
-            CLASSES: _Additions(_validate(mapping, "global"), overwrite, _duplicate_patch),
+            CLASSES: _Additions(validate_classes(mapping, "global"), overwrite, _duplicate_patch),
             CONVERSIONS: _Additions(
                 _conversion_entries(conversions, "global"), overwrite, duplicate_conversion
             ),
@@ -535,7 +565,7 @@ def register_patch_mapping(mapping: Mapping[str, type[torch.nn.Module]], overwri
         True
         >>> clear_patch_mapping()
     """
-    _add({CLASSES: _Additions(_validate(mapping, "global"), overwrite, _duplicate_patch)})
+    _add({CLASSES: _Additions(validate_classes(mapping, "global"), overwrite, _duplicate_patch)})
 
 
 def unregister_patch_mapping(keys: Iterable[str] | str) -> None:
@@ -734,8 +764,8 @@ def scoped(
 ) -> Iterator[Snapshot]:
     """Layer ``mapping`` (and ``conversions``) over the registry for this thread/task, inside the block.
 
-    ``mapping`` is a dict of classes or a :class:`modelgraft.Graft` (its classes and conversions go
-    in together). Classes are validated like :func:`register_patch_mapping`; ``conversions`` must
+    ``mapping`` is a dict of classes (``modelgraft.graft.scope`` hands a graft's classes and
+    conversions in here together). Classes are validated like :func:`register_patch_mapping`; ``conversions`` must
     already be validated (``modelgraft.conversion.rules`` does it). Blocks nest (the inner one wins on equal
     keys) and may be exited in any order. ``strict`` makes loads inside the block strict. Yields
     the effective snapshot.
@@ -749,12 +779,8 @@ def scoped(
         >>> get_patch_mapping()
         {}
     """
-    entries = getattr(mapping, "__modelgraft_entries__", None)
-    if entries is not None:  # a ``modelgraft.Graft``: its classes and (validated) conversions
-        mapping, own = entries()
-        conversions = {**own, **(conversions or {})}
     layer = _Layer(
-        _Table(_validate(mapping if mapping is not None else {}, "scoped")),
+        _Table(validate_classes(mapping if mapping is not None else {}, "scoped")),
         _Table(_conversion_entries(conversions or {}, "scoped")),
         source="scoped",
         strict=strict,

@@ -1,7 +1,7 @@
 """What modelgraft did to a model: :class:`GraftReport` and :func:`report`.
 
 Every grafted model carries its own report on the instance (``model._modelgraft_report``);
-other parts of modelgraft append to it through :func:`_report_for`. The load hooks fill
+other parts of modelgraft append to it through :func:`report_for`. The load hooks fill
 ``replaced``/``unmatched_keys``/``dropped_checkpoint_keys``/``randomly_initialised``/
 ``unloaded_parameters``; the conversion engine fills ``conversions``.
 
@@ -110,10 +110,10 @@ class GraftReport:
 
 
 @overload
-def _report_for(model: torch.nn.Module, create: Literal[True] = True) -> GraftReport: ...
+def report_for(model: torch.nn.Module, create: Literal[True] = True) -> GraftReport: ...
 @overload
-def _report_for(model: torch.nn.Module, create: bool) -> GraftReport | None: ...
-def _report_for(model: torch.nn.Module, create: bool = True) -> GraftReport | None:
+def report_for(model: torch.nn.Module, create: bool) -> GraftReport | None: ...
+def report_for(model: torch.nn.Module, create: bool = True) -> GraftReport | None:
     """Return the report attached to ``model`` (creating an empty one when asked)."""
     existing = model.__dict__.get(_ATTR)
     if existing is None and create:
@@ -125,7 +125,7 @@ def _report_for(model: torch.nn.Module, create: bool = True) -> GraftReport | No
 
 def report(model: torch.nn.Module) -> GraftReport:
     """Return what was grafted into ``model`` (an empty report for an untouched model)."""
-    found = _report_for(model, create=False)
+    found = report_for(model, create=False)
     return found if found is not None else GraftReport(model_class=type(model).__qualname__)
 
 
@@ -333,7 +333,7 @@ def check_strict(model: torch.nn.Module) -> None:
         >>> import torch
         >>> check_strict(torch.nn.Linear(2, 2))  # no report, nothing to reject
     """
-    rep = _report_for(model, create=False)
+    rep = report_for(model, create=False)
     if rep is None or rep.ok:
         return
     details = list(rep.problems)

@@ -38,7 +38,7 @@ from modelgraft.conversion.ops import model_config
 from modelgraft.conversion.originals import _originals_bound
 from modelgraft.conversion.save import GRAFT_ATTR, _plan_missing_groups, _state
 from modelgraft.errors import ConversionError, IrreversibleConversionError
-from modelgraft.report import _report_for
+from modelgraft.report import report_for
 
 __all__ = ["original_state_dict"]
 
@@ -250,7 +250,7 @@ def _in_original_order(units: list[_Unit], original: _Original) -> list[_Unit]:
 
 def _was_grafted(model: torch.nn.Module) -> bool:
     """Whether modules of ``model`` were replaced (at load time, in place, or by ``apply_patches``)."""
-    found = _report_for(model, create=False)
+    found = report_for(model, create=False)
     return bool(found is not None and found.replaced)
 
 

@@ -25,10 +25,10 @@ from typing import Any
 
 import pytest
 import torch
-
-import modelgraft as mg
 from table_walk import jobs
 from table_walk.translate import to_porting_entry
+
+import modelgraft as mg
 
 WORKER = Path(__file__).parent / "table_walk" / "plain_worker.py"
 TABLE = jobs.table()
@@ -60,7 +60,9 @@ def plain_walk(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
 
 def _keys() -> list[Any]:
     if not TABLE:
-        return [pytest.param(None, marks=pytest.mark.skip(reason="this transformers has no conversion table"))]
+        return [
+            pytest.param(None, marks=pytest.mark.skip(reason="this transformers has no conversion table"))
+        ]
     return sorted(TABLE)
 
 
@@ -74,10 +76,16 @@ def _compare_tensors(kind: str, got: dict[str, torch.Tensor], want: dict[str, to
     for key in sorted(set(got) & set(want)):
         a, b = got[key], want[key]
         if a.dtype != b.dtype or a.shape != b.shape:
-            problems.append(f"{kind}: `{key}` is {a.dtype} {tuple(a.shape)}, plain {b.dtype} {tuple(b.shape)}")
+            problems.append(
+                f"{kind}: `{key}` is {a.dtype} {tuple(a.shape)}, plain {b.dtype} {tuple(b.shape)}"
+            )
         elif not torch.equal(torch.isnan(a), torch.isnan(b)) if a.is_floating_point() else False:
             problems.append(f"{kind}: `{key}` has NaN where plain has none (or the other way)")
-        elif not torch.equal(a.nan_to_num(), b.nan_to_num()) if a.is_floating_point() else not torch.equal(a, b):
+        elif (
+            not torch.equal(a.nan_to_num(), b.nan_to_num())
+            if a.is_floating_point()
+            else not torch.equal(a, b)
+        ):
             problems.append(f"{kind}: `{key}` values differ")
     return problems
 
@@ -120,7 +128,9 @@ def test_table_entry_loads_and_saves_like_transformers(key: str, plain_walk, tmp
     if defect:  # held to the model that was saved, not to transformers' lossy round trip
         want_state, want_report = torch.load(folder / "built.pt"), _report({})
         want_folder = folder / "original"
-        assert result["report"] != want_report, f"transformers' round trip of `{key}` is fixed: drop it from the list"
+        assert result["report"] != want_report, (
+            f"transformers' round trip of `{key}` is fixed: drop it from the list"
+        )
     else:
         want_state, want_report = torch.load(folder / "plain_loaded.pt"), result["report"]
         want_folder = folder / "plain_saved"

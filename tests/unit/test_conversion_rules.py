@@ -18,24 +18,29 @@ from modelgraft import (
     WeightConverter,
     WeightRenaming,
     get_checkpoint_conversion_mapping,
+    patched,
     register_checkpoint_conversion_mapping,
+    registry,
     unregister_checkpoint_conversion_mapping,
 )
-from modelgraft.conversion import scoped_conversions
 from modelgraft.conversion.keys import Pattern
-from modelgraft.conversion.rules import lookup_conversions
 
 QKV = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])
 
 
 @pytest.fixture(autouse=True)
 def _clean_registry():
-    from modelgraft.conversion import rules
+    with registry.restoring():
+        yield
 
-    before = dict(rules._registry)
-    yield
-    rules._registry.clear()
-    rules._registry.update(before)
+
+def lookup_conversions(class_name, model_type):
+    """The entry a load of this (sub)model would use, from the registry visible here."""
+    return registry.current().lookup_conversions(class_name, model_type)
+
+
+def scoped_conversions(conversions):
+    return patched({}, conversions=conversions)
 
 
 def test_pattern_matches_segment_runs_with_prefix_and_suffix():

@@ -416,12 +416,13 @@ def _user_graft() -> Graft:
     return Graft({"LlamaAttention": fused_qkv_class(LlamaAttention)}, {"llama": [_qkv_converter()]})
 
 
-def test_a_registry_scope_takes_a_graft_whole() -> None:
+def test_a_graft_goes_into_one_registry_scope_whole() -> None:
     graft = _user_graft()
-    with modelgraft.registry.scoped(graft) as snap:
+    with modelgraft.patched(graft):
+        snap = modelgraft.registry.snapshot()
         assert snap.mapping == graft.mapping
         assert snap.conversions == {"llama": (_qkv_converter(),)}
-        assert modelgraft.registry.current() is snap
+        assert modelgraft.registry.current().conversions == snap.conversions
     assert modelgraft.get_patch_mapping() == {} and get_checkpoint_conversion_mapping("llama") is None
 
 

@@ -23,10 +23,10 @@ __all__ = [
     "ConversionEngine",
     "Reversed",
     "builtin_checkpoint_conversions",
-    "transformers_load_info_class",
     "builtin_conversion_exists",
     "install",
     "installed",
+    "transformers_load_info_class",
     "uninstall",
 ]
 

@@ -28,7 +28,6 @@ from modelgraft.conversion.rules import (
     WeightRenaming,
     get_checkpoint_conversion_mapping,
     register_checkpoint_conversion_mapping,
-    scoped_conversions,
     unregister_checkpoint_conversion_mapping,
 )
 
@@ -46,7 +45,6 @@ __all__ = [
     "install",
     "installed",
     "register_checkpoint_conversion_mapping",
-    "scoped_conversions",
     "uninstall",
     "unregister_checkpoint_conversion_mapping",
 ]

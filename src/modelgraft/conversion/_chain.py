@@ -47,7 +47,9 @@ def from_transformers(transform: Any) -> WeightConverter | None:
     targets = list(getattr(transform, "_original_target_patterns", None) or [])
     ours: WeightConverter
     if name == "PrefixChange":
-        ours = PrefixChange(transform.prefix_to_add, transform.prefix_to_remove, transform.model_prefix or None)
+        ours = PrefixChange(
+            transform.prefix_to_add, transform.prefix_to_remove, transform.model_prefix or None
+        )
     elif name == "GroupWeightRename":
         ours = GroupWeightRename(sources, targets)
     elif name == "WeightConverter":
@@ -77,7 +79,9 @@ def _lookup(snapshot: registry.Snapshot) -> Callable[[str], tuple[WeightConverte
     def find(key: str) -> tuple[WeightConverter, ...] | None:
         if key in snapshot.conversions:
             return tuple(snapshot.conversions[key])
-        builtin = _compat.builtin_checkpoint_conversions(key) if _compat.builtin_conversion_exists(key) else []
+        builtin = (
+            _compat.builtin_checkpoint_conversions(key) if _compat.builtin_conversion_exists(key) else []
+        )
         if not builtin:
             return None
         translated = [from_transformers(t) for t in builtin]
@@ -101,7 +105,7 @@ def chained_entry(model: torch.nn.Module, snapshot: registry.Snapshot | None = N
     if root is None or not any(getattr(c, "_hf", False) for c in root[1]):
         return None
     find = _lookup(snap)
-    base = model.base_model_prefix or ""
+    base: str = getattr(model, "base_model_prefix", "") or ""
     seen: dict[str, list[str]] = {}
     out: list[WeightConverter] = []
     absorbed: list[str] = []

@@ -16,12 +16,12 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from modelgraft import registry
 from modelgraft._compat.engine import Offload, Place, Reversed
 from modelgraft.conversion.load import apply_load_conversions, device_for_map
-from modelgraft.conversion.rules import has_any_conversions
 from modelgraft.conversion.save import reverse_state_dict
 from modelgraft.conversion.scopes import remember_conversions, resolve_scopes
-from modelgraft.report import _report_for
+from modelgraft.report import report_for
 
 __all__ = ["ENGINE"]
 
@@ -30,7 +30,7 @@ class _Engine:
     """Routes each call of the wiring to the engine's load, save and scope steps."""
 
     def active(self) -> bool:
-        return has_any_conversions()
+        return bool(registry.current().conversions)
 
     def scope_paths(self, model: torch.nn.Module) -> list[str]:
         return [path for scope in resolve_scopes(model) for path in (scope.path, *scope.absorbed)]
@@ -76,7 +76,7 @@ class _Engine:
         )
 
     def report_problem(self, model: torch.nn.Module, message: str) -> None:
-        _report_for(model).problems.append(message)
+        report_for(model).problems.append(message)
 
 
 #: The one engine; stateless, so installing it twice is harmless.

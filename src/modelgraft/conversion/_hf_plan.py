@@ -204,7 +204,9 @@ def plan_hf_groups(
             moved = bool(fired) and renamed != key
             if renamed in wanted and (moved or renamed in unfilled):
                 label = fired[0] if fired else AS_IS
-                plan.groups.append(Group(label, ((saved,),), ((renamed,),), [[torch.Size(source_shapes[key])]]))
+                plan.groups.append(
+                    Group(label, ((saved,),), ((renamed,),), [[torch.Size(source_shapes[key])]])
+                )
                 wanted.discard(renamed)
             continue
         assert found is not None  # shifted above: a converter's match

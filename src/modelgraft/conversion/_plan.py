@@ -55,7 +55,9 @@ def plan_groups(
     if any(conv._hf for conv in converters):
         from modelgraft.conversion._hf_plan import plan_hf_groups
 
-        return plan_hf_groups(converters, target_keys, source_shapes, strict_sources, base_model_prefix, unfilled)
+        return plan_hf_groups(
+            converters, target_keys, source_shapes, strict_sources, base_model_prefix, unfilled
+        )
     plan = Plan()
     target_keys = list(target_keys)
     taken: set[str] = set()

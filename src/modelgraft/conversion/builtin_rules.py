@@ -162,7 +162,9 @@ class LayerPairCollapse(TransformersRenaming):
         if found is None:
             return None
         index, part = int(found[1]), found[2]
-        name = {"attn_alpha": "lambda_1", "mlp_alpha": "lambda_2"}.get(part) or ("self_attn", "mlp")[index % 2]
+        name = {"attn_alpha": "lambda_1", "mlp_alpha": "lambda_2"}.get(part) or ("self_attn", "mlp")[
+            index % 2
+        ]
         return f"{key[: found.start()]}layers.{index // 2}.{name}{key[found.end() :]}"
 
     def __repr__(self) -> str:
@@ -185,7 +187,9 @@ class IndexOffsetRenaming(TransformersRenaming):
 
     offset: int
 
-    def __init__(self, source_patterns: str | Sequence[str], target_patterns: str | Sequence[str], offset: int) -> None:
+    def __init__(
+        self, source_patterns: str | Sequence[str], target_patterns: str | Sequence[str], offset: int
+    ) -> None:
         if not isinstance(offset, int) or isinstance(offset, bool):
             raise ConversionError(f"`offset` must be an int; received {offset!r}.")
         object.__setattr__(self, "offset", offset)
@@ -207,7 +211,11 @@ class IndexOffsetRenaming(TransformersRenaming):
     def __reduce__(self) -> tuple[Any, ...]:
         return (
             _rebuild_simple,
-            (type(self), (tuple(self.source_patterns), tuple(self.target_patterns), self.offset), self._scope()),
+            (
+                type(self),
+                (tuple(self.source_patterns), tuple(self.target_patterns), self.offset),
+                self._scope(),
+            ),
         )
 
 

@@ -28,7 +28,7 @@ from modelgraft.conversion.ops import model_config
 from modelgraft.conversion.originals import cached_original_shapes
 from modelgraft.conversion.scopes import STATE_ATTR, ConversionState, Scope, resolve_scopes, scope_for
 from modelgraft.errors import ConversionError
-from modelgraft.report import ConversionRecord, _report_for
+from modelgraft.report import ConversionRecord, report_for
 
 __all__ = ["apply_load_conversions", "device_for_map"]
 
@@ -102,7 +102,15 @@ def apply_load_conversions(
     """
     with model_config(getattr(model, "config", None)):
         return _apply_load_conversions(
-            model, checkpoint_files, missing_keys, unexpected_keys, device_for, rename, offload, place, state_dict
+            model,
+            checkpoint_files,
+            missing_keys,
+            unexpected_keys,
+            device_for,
+            rename,
+            offload,
+            place,
+            state_dict,
         )
 
 
@@ -132,7 +140,7 @@ def _apply_load_conversions(
         source = StateDictSource(state_dict)
     else:
         source = FileSource(checkpoint_files or ())
-    rep = _report_for(model)
+    rep = report_for(model)
     if isinstance(source, FileSource) and not list(source.keys()):
         rep.problems.append(
             f"modelgraft converts weights from safetensors files only; `{source.files[0]}` is not one, so "

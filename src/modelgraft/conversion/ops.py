@@ -364,7 +364,9 @@ class Transpose(ConversionOperation):
         shapes = context.target_shapes
         return [
             [
-                t if self._keep(t, shapes[i][j] if shapes is not None else None) else t.transpose(self.dim0, self.dim1)
+                t
+                if self._keep(t, shapes[i][j] if shapes is not None else None)
+                else t.transpose(self.dim0, self.dim1)
                 for j, t in enumerate(group)
             ]
             for i, group in enumerate(tensors)
@@ -374,7 +376,9 @@ class Transpose(ConversionOperation):
         shapes = context.source_shapes
         return [
             [
-                t if self._keep(t, shapes[i][j] if shapes is not None else None) else t.transpose(self.dim0, self.dim1)
+                t
+                if self._keep(t, shapes[i][j] if shapes is not None else None)
+                else t.transpose(self.dim0, self.dim1)
                 for j, t in enumerate(group)
             ]
             for i, group in enumerate(tensors)

@@ -8,25 +8,24 @@ before the run is the *prefix*, the part after it the *suffix*, and the converte
 
 Lookup, for a model and each of its sub-models: the entry registered under the class name wins
 over the one under ``model_type``, and the chosen entry is the whole mapping for that (sub)model.
-:func:`scoped_conversions` overlays entries for the current thread or task only. The entries live
-in :mod:`modelgraft.registry`, next to the replacement classes: one snapshot carries both, and a
-load reads only the snapshot it took when it started.
+The entries live in :mod:`modelgraft.registry`, next to the replacement classes: one snapshot
+carries both, a ``patched(conversions=...)`` block layers entries for its thread or task only,
+and a load reads only the snapshot it took when it started.
 
 Example:
+    >>> from modelgraft import registry
     >>> from modelgraft.conversion import Concatenate, WeightConverter
-    >>> from modelgraft.conversion.rules import scoped_conversions, lookup_conversions
     >>> fuse = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])
-    >>> with scoped_conversions({"MyModel": [fuse]}):
-    ...     lookup_conversions("MyModel", "llama")[0]
+    >>> with registry.scoped(conversions=validate_conversions({"MyModel": [fuse]})):
+    ...     registry.current().lookup_conversions("MyModel", "llama")[0]
     'MyModel'
-    >>> lookup_conversions("MyModel", "llama") is None
+    >>> registry.current().lookup_conversions("MyModel", "llama") is None
     True
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from modelgraft import _compat, registry
@@ -41,10 +40,8 @@ __all__ = [
     "WeightConverter",
     "WeightRenaming",
     "get_checkpoint_conversion_mapping",
-    "isolated_conversions",
-    "lookup_conversions",
     "register_checkpoint_conversion_mapping",
-    "scoped_conversions",
+    "unknown_conversions",
     "unregister_checkpoint_conversion_mapping",
     "validate_conversions",
 ]
@@ -80,13 +77,13 @@ class WeightConverter:
     __slots__ = (
         "_hf",
         "_matcher",
+        "_source_patterns",
         "_sources",
+        "_target_patterns",
         "_targets",
         "base_model_prefix",
         "operations",
         "scope_prefix",
-        "_source_patterns",
-        "_target_patterns",
     )
 
     _source_patterns: tuple[str, ...]
@@ -314,18 +311,13 @@ def register_checkpoint_conversion_mapping(
     """
     items = _validate_entry(model_type_or_class_name, mapping)
     key = model_type_or_class_name
-    if (
-        not overwrite
-        and _compat.builtin_conversion_exists(key)
-        and key not in registry._global_entries(registry.CONVERSIONS)
-    ):
+    if not overwrite and _compat.builtin_conversion_exists(key) and key not in registry.global_conversions():
         raise _exists(key, "the installed transformers")
 
     def duplicate(key: str, _existing: Conversions) -> ConversionError:
         return _exists(key, "modelgraft")
 
-    entries = registry._conversion_entries({key: items}, "global")
-    registry._add({registry.CONVERSIONS: registry._Additions(entries, overwrite, duplicate)})
+    registry.add_conversions({key: items}, overwrite=overwrite, duplicate=duplicate)
 
 
 def _exists(key: str, where: str) -> ConversionError:
@@ -342,7 +334,7 @@ def unregister_checkpoint_conversion_mapping(keys: str | Sequence[str]) -> None:
         ConversionError: a key that is not registered.
     """
     names = [keys] if isinstance(keys, str) else list(keys)
-    registry._remove({registry.CONVERSIONS: registry._Removals(names, unknown_conversions)})
+    registry.remove_conversions(names, unknown=unknown_conversions)
 
 
 def unknown_conversions(missing: list[str], registered: list[str]) -> ConversionError:
@@ -357,88 +349,3 @@ def get_checkpoint_conversion_mapping(model_type_or_class_name: str) -> list[Wei
     """Return the entry visible here (scoped blocks first, then global) as a new list, or ``None``."""
     found = registry.snapshot().conversions.get(model_type_or_class_name)
     return None if found is None else list(found)
-
-
-def lookup_conversions(
-    class_name: str, model_type: str | None, snap: registry.Snapshot | None = None
-) -> tuple[str, Conversions] | None:
-    """Return ``(key, converters)`` for a (sub)model: class name first, then ``model_type``.
-
-    Reads ``snap``, by default :func:`modelgraft.registry.current` (the snapshot of the load in
-    progress, so one load sees one set of conversions from start to end).
-    """
-    return (snap if snap is not None else registry.current()).lookup_conversions(class_name, model_type)
-
-
-def has_any_conversions(snap: registry.Snapshot | None = None) -> bool:
-    """Cheap check used by the load hooks to stay out of the way when nothing is registered.
-
-    Reads ``snap``, by default :func:`modelgraft.registry.current`.
-    """
-    return bool((snap if snap is not None else registry.current()).conversions)
-
-
-@contextmanager
-def scoped_conversions(conversions: Mapping[str, Sequence[WeightConverter]] | None) -> Iterator[None]:
-    """Make ``conversions`` visible in this thread or task only, for the ``with`` block.
-
-    Scoped entries win over global ones with the same key; nested blocks stack (and may be exited
-    in any order). No global state changes and nothing is checked against transformers' built-ins
-    (a scope replaces them).
-
-    Example:
-        >>> from modelgraft.conversion import WeightRenaming
-        >>> with scoped_conversions({"llama": [WeightRenaming("wq", "q_proj")]}):
-        ...     get_checkpoint_conversion_mapping("llama")
-        [WeightRenaming(['wq'] -> ['q_proj'])]
-        >>> get_checkpoint_conversion_mapping("llama") is None
-        True
-    """
-    with registry.scoped(conversions=validate_conversions(conversions)):
-        yield
-
-
-@contextmanager
-def isolated_conversions() -> Iterator[None]:
-    """Hide the global entries and every enclosing scoped block, in this thread or task only.
-
-    Example:
-        >>> from modelgraft.conversion import WeightRenaming
-        >>> with scoped_conversions({"llama": [WeightRenaming("wq", "q_proj")]}), isolated_conversions():
-        ...     has_any_conversions(), get_checkpoint_conversion_mapping("llama")
-        (False, None)
-    """
-    with registry.isolated(classes=False):
-        yield
-
-
-class _GlobalConversions(MutableMapping[str, Any]):
-    """The global conversion entries as a dict-like view (reads and writes go through the registry).
-
-    For tests that save and restore the global state; code registers through the functions above.
-    """
-
-    def __getitem__(self, key: str) -> Conversions:
-        entries: Conversions = registry._global_entries(registry.CONVERSIONS)[key]
-        return entries
-
-    def __setitem__(self, key: str, value: Sequence[WeightConverter]) -> None:
-        register_checkpoint_conversion_mapping(key, value, overwrite=True)
-
-    def __delitem__(self, key: str) -> None:
-        try:
-            unregister_checkpoint_conversion_mapping(key)
-        except ConversionError:
-            raise KeyError(key) from None
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(registry._global_entries(registry.CONVERSIONS))
-
-    def __len__(self) -> int:
-        return len(registry._global_entries(registry.CONVERSIONS))
-
-    def clear(self) -> None:
-        registry._clear(registry.CONVERSIONS)
-
-
-_registry = _GlobalConversions()

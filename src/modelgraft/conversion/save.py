@@ -28,7 +28,7 @@ from modelgraft.conversion._plan import Group, plan_groups, run_reverse
 from modelgraft.conversion.ops import model_config
 from modelgraft.conversion.originals import original_shapes
 from modelgraft.conversion.scopes import STATE_ATTR, ConversionState, Scope, resolve_scopes, scope_for
-from modelgraft.report import ConversionRecord, _report_for
+from modelgraft.report import ConversionRecord, report_for
 
 __all__ = ["GRAFT_ATTR", "Reversal", "remember_graft", "reverse_state_dict"]
 
@@ -95,7 +95,7 @@ def _undo_stage(
         return work
     first_target = {g.flat_targets[0]: g for g in groups}
     consumed = {k for g in groups for k in g.flat_targets}
-    rep = _report_for(model)
+    rep = report_for(model)
     out: dict[str, torch.Tensor] = {}
     for key, tensor in work.items():
         group = first_target.get(key)
@@ -181,7 +181,7 @@ def _reverse_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.T
             if id(group) in loaded:
                 exact.update(k for k in rebuilt if k in state.checkpoint_space)
             converted.update(rebuilt)
-            _report_for(model).conversions.append(
+            report_for(model).conversions.append(
                 ConversionRecord(
                     repr(group.converter), tuple(group.flat_targets), tuple(group.flat_sources), "save"
                 )

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from modelgraft import registry
 from modelgraft.conversion._chain import chained_entry
 from modelgraft.conversion._plan import Group
-from modelgraft.conversion.rules import Conversions, has_any_conversions, lookup_conversions
+from modelgraft.conversion.rules import Conversions
 
 __all__ = ["STATE_ATTR", "ConversionState", "Scope", "remember_conversions", "resolve_scopes", "scope_for"]
 
@@ -91,14 +92,15 @@ def resolve_scopes(model: torch.nn.Module) -> list[Scope]:
     covered by it unless it has an entry under its own class name; a sub-model of another type
     (the text or vision part of a composite model) gets its own scope, owning the keys under it.
     """
-    if not has_any_conversions():
+    snap = registry.current()
+    if not snap.conversions:
         return []
     scopes: list[Scope] = []
     for path, module in model.named_modules():
         if not _is_pretrained(module):
             continue
         model_type = getattr(module.config, "model_type", None)
-        found = lookup_conversions(type(module).__name__, model_type)
+        found = snap.lookup_conversions(type(module).__name__, model_type)
         if found is None:
             continue
         key, converters = found
@@ -110,7 +112,7 @@ def resolve_scopes(model: torch.nn.Module) -> list[Scope]:
             continue
         scopes.append(Scope(path, key, converters, type(module).__name__, model_type))
     if scopes and not scopes[0].path:
-        chain = chained_entry(model)
+        chain = chained_entry(model, snap)
         if chain is not None:
             root = scopes[0]
             return [Scope("", root.key, chain[0], root.class_name, root.model_type, chain[1])]

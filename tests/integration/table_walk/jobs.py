@@ -49,7 +49,7 @@ def _table_v4() -> dict[str, list[Any]]:
             continue
         try:
             cls = getattr(transformers, name)
-        except Exception:  # noqa: BLE001 - an optional dependency missing: not a model class here
+        except Exception:
             continue
         if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
             mapping = cls.__dict__.get("_checkpoint_conversion_mapping")
@@ -66,7 +66,9 @@ def table() -> dict[str, list[Any]]:
     except ImportError:
         return _table_v4()
     tcm.get_checkpoint_conversion_mapping("llama")  # fills the cache
-    return {k: tcm.get_checkpoint_conversion_mapping(k) or [] for k in tcm._checkpoint_conversion_mapping_cache}
+    return {
+        k: tcm.get_checkpoint_conversion_mapping(k) or [] for k in tcm._checkpoint_conversion_mapping_cache
+    }
 
 
 def _mapping_classes(model_type: str) -> list[str]:
@@ -75,7 +77,9 @@ def _mapping_classes(model_type: str) -> list[str]:
     found: list[str] = []
     names = [*_PREFERRED_MAPPINGS]
     names += sorted(
-        n for n in dir(modeling_auto) if n.startswith("MODEL_") and n.endswith("_MAPPING_NAMES") and n not in names
+        n
+        for n in dir(modeling_auto)
+        if n.startswith("MODEL_") and n.endswith("_MAPPING_NAMES") and n not in names
     )
     names.append("MODEL_MAPPING_NAMES")
     for name in names:
@@ -120,7 +124,7 @@ def write_jobs(root: Path, keys: list[str]) -> dict[str, str]:
         class_name, model_type = found
         try:
             config = tiny_config(model_type)
-        except Exception as e:  # noqa: BLE001 - the reason is listed
+        except Exception as e:
             skipped[key] = f"no tiny config: {type(e).__name__}: {str(e)[:200]}"
             continue
         folder = f"{i:03d}"

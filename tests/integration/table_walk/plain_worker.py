@@ -25,7 +25,6 @@ import traceback
 import warnings
 from pathlib import Path
 
-
 #: A family whose tiny config still builds a bigger model than this is skipped (memory and time).
 MAX_PARAMETERS = 100_000_000
 
@@ -54,7 +53,7 @@ def run_job(job: dict, folder: Path) -> dict:
         with warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")
             size = sum(p.numel() for p in cls._from_config(config).parameters())
-    except Exception as e:  # noqa: BLE001 - recorded as the family's reason
+    except Exception as e:
         return {"status": "unbuildable", "reason": f"construction: {type(e).__name__}: {str(e)[:300]}"}
     if size > MAX_PARAMETERS:
         return {"status": "unbuildable", "reason": f"not tiny: {size:,} parameters with the tiny config"}
@@ -63,22 +62,22 @@ def run_job(job: dict, folder: Path) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = cls._from_config(config)
-    except Exception as e:  # noqa: BLE001 - recorded as the family's reason
+    except Exception as e:
         return {"status": "unbuildable", "reason": f"construction: {type(e).__name__}: {str(e)[:300]}"}
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, folder / "built.pt")
     try:
         model.save_pretrained(folder / "original")
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return {"status": "unbuildable", "reason": f"plain save: {type(e).__name__}: {str(e)[:300]}"}
     try:
         loaded, info = cls.from_pretrained(folder / "original", output_loading_info=True)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return {"status": "unbuildable", "reason": f"plain load: {type(e).__name__}: {str(e)[:300]}"}
     state = {k: v.detach().clone() for k, v in loaded.state_dict().items()}
     torch.save(state, folder / "plain_loaded.pt")
     try:
         loaded.save_pretrained(folder / "plain_saved")
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return {"status": "unbuildable", "reason": f"plain re-save: {type(e).__name__}: {str(e)[:300]}"}
     return {"status": "ok", "report": _report(info)}
 
@@ -96,7 +95,7 @@ def main(workdir: str) -> int:
         start = time.perf_counter()
         try:
             results[key] = run_job(job, root / job["folder"])
-        except Exception:  # noqa: BLE001
+        except Exception:
             results[key] = {"status": "unbuildable", "reason": traceback.format_exc(limit=2)[-400:]}
         results[key]["seconds"] = round(time.perf_counter() - start, 2)
     (root / "results.json").write_text(json.dumps(results, indent=1, sort_keys=True))
