@@ -3,9 +3,10 @@
 Importing modelgraft installs its load hooks into transformers (idempotent; see
 ``modelgraft.hooks``).
 
-The public API is four namespaces, each exactly its ``__all__``: ``modelgraft`` (this module),
-``modelgraft.grafts`` (ready-made grafts), ``modelgraft.moe`` (MoE routing record/replay) and
-``modelgraft.testing`` (tiny configs for tests). docs/api.md lists every name, and a test keeps the
+The public API is five namespaces, each exactly its ``__all__``: ``modelgraft`` (this module),
+``modelgraft.grafts`` (ready-made grafts), ``modelgraft.moe`` (MoE routing record/replay),
+``modelgraft.porting`` (transformers' conversion API, for ported code) and ``modelgraft.testing``
+(tiny configs for tests). docs/api.md lists every name, and a test keeps the
 two equal. Every other module, and every name outside those ``__all__`` lists, is private and may
 change without notice. Every error modelgraft raises is exported here.
 """
@@ -13,11 +14,6 @@ change without notice. Every error modelgraft raises is exported here.
 from __future__ import annotations
 
 from modelgraft import _compat  # noqa: F401  (fails early on an unsupported transformers)
-from modelgraft._hf_compat_api import (
-    get_model_conversion_mapping,
-    rename_source_key,
-    revert_weight_conversion,
-)
 from modelgraft.conversion import (
     Chunk,
     Concatenate,
@@ -32,16 +28,6 @@ from modelgraft.conversion import (
     register_checkpoint_conversion_mapping,
     unregister_checkpoint_conversion_mapping,
 )
-from modelgraft.conversion.builtin_ops import (
-    Conv3dToLinear,
-    ConversionOps,
-    ErnieFuseAndSplitTextVisionExperts,
-    LinearToConv3d,
-    PermuteForRope,
-    VisionFuseAndPermuteForRope,
-    VisionUnfuseAndPermuteForRope,
-)
-from modelgraft.conversion.builtin_rules import GroupWeightRename, PrefixChange
 from modelgraft.errors import (
     ConversionError,
     ConversionShapeError,
@@ -87,14 +73,11 @@ __version__ = "0.1.0"
 __all__ = [
     "Chunk",
     "Concatenate",
-    "Conv3dToLinear",
     "ConversionContext",
     "ConversionError",
     "ConversionOperation",
-    "ConversionOps",
     "ConversionShapeError",
     "DoubleBackwardError",
-    "ErnieFuseAndSplitTextVisionExperts",
     "ExpertsAdapterError",
     "ExpertsImplementationError",
     "FusionError",
@@ -103,15 +86,11 @@ __all__ = [
     "GraftError",
     "GraftReport",
     "GraftStateError",
-    "GroupWeightRename",
     "IrreversibleConversionError",
-    "LinearToConv3d",
     "LossInputError",
     "MergeModulelist",
     "MissingSourceKeyError",
     "PatchRegistrationError",
-    "PermuteForRope",
-    "PrefixChange",
     "ReplacementTypeError",
     "RoutingError",
     "SplitModulelist",
@@ -124,8 +103,6 @@ __all__ = [
     "UnsupportedTransformersError",
     "VerifyArgumentError",
     "VerifyReport",
-    "VisionFuseAndPermuteForRope",
-    "VisionUnfuseAndPermuteForRope",
     "WeightConverter",
     "WeightRenaming",
     "__version__",
@@ -133,7 +110,6 @@ __all__ = [
     "apply_patches",
     "clear_patch_mapping",
     "get_checkpoint_conversion_mapping",
-    "get_model_conversion_mapping",
     "get_patch_mapping",
     "graft_model",
     "original_state_dict",
@@ -143,9 +119,7 @@ __all__ = [
     "register_graft",
     "register_patch_mapping",
     "remove_scope_prefix",
-    "rename_source_key",
     "report",
-    "revert_weight_conversion",
     "unpatched",
     "unregister_checkpoint_conversion_mapping",
     "unregister_graft",

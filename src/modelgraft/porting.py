@@ -41,12 +41,12 @@ from typing import Any
 
 import torch
 
-from modelgraft._hf_compat_api import (
+from modelgraft._porting_load import convert_and_load_state_dict_in_model
+from modelgraft._porting_mapping import (
     get_model_conversion_mapping,
     rename_source_key,
     revert_weight_conversion,
 )
-from modelgraft._porting_load import convert_and_load_state_dict_in_model
 from modelgraft.conversion import ops as _ops
 from modelgraft.conversion import rules as _rules
 from modelgraft.conversion.builtin_ops import (

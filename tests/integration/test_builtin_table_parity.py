@@ -18,6 +18,7 @@ import torch
 import modelgraft as mg
 from _versions import IS_V5
 from families import FAMILIES, family
+from modelgraft import porting
 
 pytestmark = pytest.mark.skipif(
     not IS_V5, reason="transformers 4.57 has no conversion_mapping table (transformers 5.x only)"
@@ -43,11 +44,11 @@ def to_modelgraft(transform):
     sources = list(transform._original_source_patterns)
     targets = list(transform._original_target_patterns)
     if name == "PrefixChange":
-        ours = mg.PrefixChange(
+        ours = porting.PrefixChange(
             transform.prefix_to_add, transform.prefix_to_remove, transform.model_prefix or None
         )
     elif name == "GroupWeightRename":
-        ours = mg.GroupWeightRename(sources, targets)
+        ours = porting.GroupWeightRename(sources, targets)
     elif hasattr(transform, "operations"):
         ours = mg.WeightConverter(sources, targets, list(transform.operations))
     else:
@@ -128,7 +129,7 @@ def test_builtin_entry_renames_like_transformers(fam):
     inputs = sorted(set(keys) | saved)
     for key in inputs:
         theirs = tcore.rename_source_key(key, hf_renamings, hf_converters)
-        ours = mg.rename_source_key(key, our_renamings, our_converters)
+        ours = porting.rename_source_key(key, our_renamings, our_converters)
         if ours != theirs:
             differ.append((key, theirs, ours))
     print(

@@ -11,10 +11,10 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 import modelgraft as mg
-from modelgraft import MergeModulelist, WeightConverter, WeightRenaming
+from modelgraft import MergeModulelist, WeightConverter, WeightRenaming, porting
 
 
-class Scale(mg.ConversionOps):
+class Scale(porting.ConversionOps):
     """A user operation written for transformers (its `ConversionOps` base, now from modelgraft)."""
 
     def __init__(self, factor: float) -> None:
@@ -126,8 +126,11 @@ def test_scope_prefix_is_settable_compared_and_pickled():
     assert rename == other and hash(rename) == hash(other)
     back = pickle.loads(pickle.dumps(rename))
     assert back == rename and back.scope_prefix == "vision_model"
-    assert mg.rename_source_key("vision_model.old_q.weight", [back], [])[0] == "vision_model.q.weight"
-    assert mg.rename_source_key("language_model.old_q.weight", [back], [])[0] == "language_model.old_q.weight"
+    assert porting.rename_source_key("vision_model.old_q.weight", [back], [])[0] == "vision_model.q.weight"
+    assert (
+        porting.rename_source_key("language_model.old_q.weight", [back], [])[0]
+        == "language_model.old_q.weight"
+    )
     with pytest.raises(mg.ConversionError, match="`scope_prefix` must be a string or None"):
         rename.scope_prefix = 3
     with pytest.raises(AttributeError, match="immutable"):
@@ -135,14 +138,14 @@ def test_scope_prefix_is_settable_compared_and_pickled():
 
 
 def test_prefix_change_and_group_rename_pickle():
-    change = mg.PrefixChange(prefix_to_remove="bad", model_prefix="model")
+    change = porting.PrefixChange(prefix_to_remove="bad", model_prefix="model")
     assert pickle.loads(pickle.dumps(change)) == change
-    group = mg.GroupWeightRename(["norm0", "norm1"], ["norm1", "norm2"])
+    group = porting.GroupWeightRename(["norm0", "norm1"], ["norm1", "norm2"])
     assert pickle.loads(pickle.dumps(group)) == group
     with pytest.raises(mg.ConversionError, match="exactly one of `prefix_to_add` and `prefix_to_remove`"):
-        mg.PrefixChange()
+        porting.PrefixChange()
     with pytest.raises(mg.ConversionError, match="two lists of the same length"):
-        mg.GroupWeightRename(["a"], ["b", "c"])
+        porting.GroupWeightRename(["a"], ["b", "c"])
 
 
 def test_invalid_regex_is_refused_at_construction():

@@ -98,14 +98,18 @@ class PrefixChange(WeightRenaming):
     def __reduce__(self) -> tuple[Any, ...]:
         return (
             _rebuild_prefix_change,
-            (self.prefix_to_add, self.prefix_to_remove, self.model_prefix, self._scope()),
+            (self.prefix_to_add, self.prefix_to_remove, self.model_prefix, self._scope(), type(self)),
         )
 
 
 def _rebuild_prefix_change(
-    add: str | None, remove: str | None, model_prefix: str, scope: tuple[str | None, str | None]
+    add: str | None,
+    remove: str | None,
+    model_prefix: str,
+    scope: tuple[str | None, str | None],
+    cls: type[PrefixChange] | None = None,
 ) -> PrefixChange:
-    change = PrefixChange(add, remove, model_prefix or None)
+    change = (cls or PrefixChange)(add, remove, model_prefix or None)
     if scope != (None, None):
         change.scope_prefix, change.base_model_prefix = scope
     return change

@@ -8,7 +8,7 @@
 - :func:`rename_source_key`: one checkpoint key renamed as transformers renames it.
 
 Example:
-    >>> from modelgraft import WeightRenaming, rename_source_key
+    >>> from modelgraft.porting import WeightRenaming, rename_source_key
     >>> rename_source_key("model.layers.0.block_sparse_moe.gate.weight",
     ...                   [WeightRenaming(".block_sparse_moe.gate", ".mlp.gate")], [])
     ('model.layers.0.mlp.gate.weight', None)
