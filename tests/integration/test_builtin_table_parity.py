@@ -24,8 +24,9 @@ pytestmark = pytest.mark.skipif(
     not IS_V5, reason="transformers 4.57 has no conversion_mapping table (transformers 5.x only)"
 )
 
-# Renamings whose behaviour is their own code, not their patterns: their patterns are accepted, but
-# modelgraft has no counterpart class (docs/porting.md); no family of tests/families.py uses them.
+# Renamings whose behaviour is their own code, not their patterns (modelgraft.porting has both; the
+# table walk, tests/integration/test_conversion_table_walk.py, loads dory's); no family of
+# tests/families.py uses them.
 CUSTOM_RENAMINGS = {"LayerPairCollapse", "Inkling2IndexOffsetWeightRename"}
 
 

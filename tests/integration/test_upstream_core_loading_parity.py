@@ -245,8 +245,8 @@ def test_chunk_splits_to_target_parameter_sizes(tmp_path):
 def test_chunk_splits_equally_when_targets_are_not_parameters():
     """Upstream: TestConvertAndLoadStateDict.test_chunk_splits_equally_when_targets_are_not_parameters.
 
-    modelgraft's `Chunk` takes tensor groups (a deliberate difference, docs/porting.md): without
-    target shapes it splits into equal parts, one per target.
+    Called through modelgraft's protocol (tensor groups): without target shapes it splits into
+    equal parts, one per target.
     """
     tensor = torch.arange(12.0).reshape(6, 2)
     first, second, third = Chunk(dim=0).convert([[tensor]], ConversionContext(num_targets=3))
@@ -561,8 +561,8 @@ class RopeModel(_Base):
 def test_qkv_chunk_rope_permute_vision_config(tmp_path):
     """Upstream: TestConvertAndLoadStateDict.test_qkv_chunk_rope_permute_vision_config.
 
-    Difference (docs/porting.md): the vision operations get the config (or ``num_heads``) as an
-    argument; modelgraft does not hand the model's config to operations.
+    As upstream, the vision operations are given the config; a config handed to an operation wins
+    over the model's (which the engine hands to every operation).
     """
     vision = PretrainedConfig(hidden_size=16, head_dim=8, num_attention_heads=N_HEADS)
     config = PretrainedConfig(vision_config=vision)
