@@ -77,6 +77,7 @@ from modelgraft.registry import (
     unregister_patch_mapping,
 )
 from modelgraft.report import GraftReport, report
+from modelgraft.state_load import load_original_state_dict
 from modelgraft.swap import add_scope_prefix, remove_scope_prefix
 from modelgraft.verify import VerifyReport, verify
 from modelgraft.weight_sync import original_state_dict
@@ -136,6 +137,7 @@ __all__ = [
     "get_model_conversion_mapping",
     "get_patch_mapping",
     "graft_model",
+    "load_original_state_dict",
     "original_state_dict",
     "patch_output_recorders",
     "patched",
