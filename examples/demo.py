@@ -17,11 +17,37 @@ The last line says whether everything matched; the exit code is 1 if not.
 Run: ``make demo`` (or ``.venv/bin/python examples/demo.py``).
 """
 
+# ruff: noqa: E402  (the noise filters below must be installed before torch is imported)
+
 from __future__ import annotations
 
+import logging as std_logging
 import sys
 import tempfile
 from pathlib import Path
+
+
+def quiet_unused_import_noise() -> None:
+    """Drop the two import-time messages of packages this demo never calls, and nothing else.
+
+    transformers 5 imports torchao (its quantizer table) whenever a model class is imported. torchao
+    then logs "Failed to load .../_C_*.so" for its CUDA kernels and, by registering two enums,
+    makes torch log a ``register_constant()`` deprecation. Each filter matches one logger and one
+    message, so any other warning (including one from modelgraft) still shows.
+    """
+    dropped = {
+        "torchao": "Failed to load ",
+        "torch.utils._pytree": "%s is an Enum subclass and is now natively supported",
+    }
+    for name, start in dropped.items():
+
+        def keep(record: std_logging.LogRecord, start: str = start) -> bool:
+            return not str(record.msg).startswith(start)
+
+        std_logging.getLogger(name).addFilter(keep)
+
+
+quiet_unused_import_noise()  # before torch and transformers are imported
 
 import torch
 from safetensors.torch import load_file

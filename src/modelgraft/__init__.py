@@ -63,6 +63,7 @@ from modelgraft.registry import (
     unregister_patch_mapping,
 )
 from modelgraft.report import GraftReport, report
+from modelgraft.state_load import load_original_state_dict
 from modelgraft.swap import add_scope_prefix, remove_scope_prefix
 from modelgraft.verify import VerifyReport, verify
 from modelgraft.weight_sync import original_state_dict
@@ -112,6 +113,7 @@ __all__ = [
     "get_checkpoint_conversion_mapping",
     "get_patch_mapping",
     "graft_model",
+    "load_original_state_dict",
     "original_state_dict",
     "patch_output_recorders",
     "patched",

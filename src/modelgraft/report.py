@@ -63,6 +63,8 @@ class GraftReport:
     # module path -> checkpoint keys under that path that nothing in the model could take
     dropped_checkpoint_keys: dict[str, list[str]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    # what the caller should know that is not an error (a graft that a replaced forward bypasses)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -106,6 +108,7 @@ class GraftReport:
         for path, keys in self.dropped_checkpoint_keys.items():
             lines.append(f"  dropped checkpoint keys under `{path}`: {keys}")
         lines += [f"  problem: {p}" for p in self.problems]
+        lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
@@ -124,9 +127,45 @@ def report_for(model: torch.nn.Module, create: bool = True) -> GraftReport | Non
 
 
 def report(model: torch.nn.Module) -> GraftReport:
-    """Return what was grafted into ``model`` (an empty report for an untouched model)."""
+    """Return what was grafted into ``model`` (an empty report for an untouched model).
+
+    A note says when a graft that works through the model's own ``forward`` (the chunked LM
+    loss) is bypassed right now because ``forward`` was replaced on the instance.
+    """
     found = report_for(model, create=False)
-    return found if found is not None else GraftReport(model_class=type(model).__qualname__)
+    if found is None:
+        return GraftReport(model_class=type(model).__qualname__)
+    found.notes[:] = [n for n in found.notes if not n.startswith(_BYPASS)]
+    note = _forward_bypass(model)
+    if note is not None:
+        found.notes.append(note)
+    return found
+
+
+_BYPASS = "chunked_lm_loss is bypassed"
+
+
+def _defined_at(function: Any) -> str:
+    """Where a function was written: its code's names, not those ``functools.wraps`` copied onto it."""
+    code = getattr(function, "__code__", None)
+    module = getattr(function, "__globals__", {}).get("__name__", getattr(function, "__module__", "?"))
+    name = getattr(code, "co_qualname", None) or getattr(function, "__qualname__", type(function).__name__)
+    return f"{module}.{name}"
+
+
+def _forward_bypass(model: torch.nn.Module) -> str | None:
+    """The note for a chunked-loss model whose ``forward`` is replaced on the instance (TRL's fused
+    LM head does that), or ``None``."""
+    replacement = model.__dict__.get("forward")
+    if replacement is None or getattr(type(model), "_modelgraft_chunk_size", False) is False:
+        return None
+    where = _defined_at(getattr(replacement, "__func__", replacement))
+    return (
+        f"{_BYPASS} where the replaced `forward` computes the loss itself: `{type(model).__name__}.forward` is "
+        f"replaced on this model by `{where}` (TRL's `add_fused_lm_head` does that: its `fused_lm_head=True` path "
+        "computes log-probabilities in chunks itself); calls it passes on to the original forward still use the "
+        "chunked loss"
+    )
 
 
 # ---- diagnostics --------------------------------------------------------------------------------

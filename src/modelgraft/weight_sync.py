@@ -334,6 +334,12 @@ def original_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
             "Pass the model itself (for a DDP/FSDP1 wrapper, its `.module`)."
         )
     live = model.state_dict()
+    units, revert = _prepare(model, live)
+    return _stream(model, units, revert, live)
+
+
+def _prepare(model: torch.nn.Module, live: Mapping[str, torch.Tensor]) -> tuple[list[_Unit], list[bool]]:
+    """The units of the stream and, per unit, whether transformers' own reverse finishes it."""
     units, builtin = _plan(model, list(live))
     if builtin:  # only where transformers' own reverse changes something (a dry run on meta)
         stand_ins = {k: _meta(v) for k, v in live.items()}
@@ -348,4 +354,4 @@ def original_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
             # save of the plain model would.
             revert = [not set(u.names) <= original.checkpoint_keys for u in units]
             _check_names(model, units, revert, live, original)
-    return _stream(model, units, revert, live)
+    return units, revert

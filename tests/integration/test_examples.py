@@ -124,3 +124,8 @@ def test_demo_runs_the_complete_example_and_says_everything_matched(example_env:
     for step in ("logits", "hidden states", "saved files", "plain reload", "graft_model", "verify"):
         assert any(line.startswith(f"  [ok] {step}:") for line in lines), step
     assert "GraftReport for Qwen2MoeForCausalLM: 4 module(s) replaced" in done.stdout
+    # A newcomer's first screen is the demo: the import-time noise of packages the demo does not use
+    # (torchao's "Failed to load" of its CUDA kernels, torch's register_constant deprecation that
+    # torchao triggers) must not reach either stream (issue 20 point 8).
+    assert lines[0].startswith("1. tiny qwen2_moe checkpoint"), lines[:5]
+    assert done.stderr == "", done.stderr[-3000:]

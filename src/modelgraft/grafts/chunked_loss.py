@@ -60,6 +60,7 @@ from modelgraft.grafts._lm_head_source import HeadSpec, read_head
 from modelgraft.grafts._pickling import RECIPE_ATTR, GraftedClass
 from modelgraft.hooks import unpatched
 from modelgraft.live import graft_model
+from modelgraft.report import _defined_at, _forward_bypass
 
 __all__ = [
     "CHUNKED_LM_LOSS_FAMILIES",
@@ -270,6 +271,35 @@ def _make_forward(original: type) -> Any:
     return forward
 
 
+_BYPASS_WARNED: set[tuple[type, str]] = set()
+
+
+def _make_setattr(original: type) -> Any:
+    set_attribute = cast(Any, original).__setattr__
+
+    def __setattr__(self: nn.Module, name: str, value: Any) -> None:
+        set_attribute(self, name, value)
+        if name == "forward":  # a trainer's own LM-head path (TRL's fused LM head) replaces it
+            _warn_bypassed(self)
+
+    return __setattr__
+
+
+def _warn_bypassed(model: nn.Module) -> None:
+    note = _forward_bypass(model)
+    if note is None:
+        return
+    key = (
+        type(model),
+        _defined_at(getattr(model.__dict__["forward"], "__func__", model.__dict__["forward"])),
+    )
+    with _WARNED_LOCK:
+        if key in _BYPASS_WARNED:
+            return
+        _BYPASS_WARNED.add(key)
+    warnings.warn(note + "; `report(model)` lists this.", RuntimeWarning, stacklevel=3)
+
+
 def _save_pretrained(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``save_pretrained`` of the plain class, so the saved config names the plain architecture."""
     grafted = type(self)
@@ -331,6 +361,7 @@ def chunked_lm_loss_class(causal_lm_class: type, chunk_size: int | None = None) 
                 "__qualname__": name,
                 "__doc__": f"`{causal_lm_class.__name__}` whose training loss is computed in chunks of tokens.",
                 "forward": _make_forward(causal_lm_class),
+                "__setattr__": _make_setattr(causal_lm_class),
                 "save_pretrained": _save_pretrained,
                 "_modelgraft_original": causal_lm_class,
                 "_modelgraft_chunk_size": chunk_size,

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from modelgraft.errors import RoutingError
+from modelgraft.moe._gaps import check_zero_rows_policy, handle_zero_rows
 from modelgraft.moe._ids import MISSING_POLICIES, compact_dtype, spread_fill
 from modelgraft.moe._layers import moe_layers
 from modelgraft.moe._payloads import Request, as_ids, sglang_requests, vllm_requests
@@ -177,6 +178,7 @@ def from_vllm(
     allow_all_zero: bool = False,
     missing: str = "refuse",
     expert_map: Any = None,
+    zero_rows: str = "refuse",
 ) -> RoutingTrace:
     """Build the trace for the trainer's padded batch from vLLM's routed experts.
 
@@ -210,6 +212,13 @@ def from_vllm(
         expert_map: physical-to-logical expert ids for engines that report physical ids
             (expert-parallel load balancing): ``(num_physical,)`` for every layer, or
             ``(layers, num_physical)`` with one row per decoder layer or per MoE layer.
+        zero_rows: a row of zeros in an otherwise captured MoE layer is a token the engine did not
+            capture (its buffer was not written): with top-k > 1 it names expert 0 k times, which
+            no router does; with top-1 it cannot be told from expert 0. ``"refuse"`` (default): an
+            error naming the request, token and layer; ``"live"``: the trainer's router chooses
+            those tokens (they become ``-1`` rows of a ``missing="live"`` trace; see
+            :meth:`RoutingTrace.summary`); ``"accept"``: they are real choices of expert 0 (top-1
+            only).
 
     Returns:
         A :class:`RoutingTrace` with ``batch * seq`` rows per MoE layer, ``batch_size`` set and ids
@@ -220,7 +229,8 @@ def from_vllm(
             count that differs from the mask, a layer axis that fits neither all layers nor MoE
             layers only, ids out of range (after ``expert_map``), a non-integer dtype, a payload
             that cannot be decoded, an MoE layer whose routed ids are all 0 (unless
-            ``allow_all_zero``), ``-1`` rows (unless ``missing="live"``).
+            ``allow_all_zero``), ``-1`` rows (unless ``missing="live"``), all-zero rows (a capture
+            gap; unless ``zero_rows`` says otherwise).
     """
     requests = vllm_requests(routed_experts)
     return _assemble(
@@ -235,6 +245,7 @@ def from_vllm(
         allow_all_zero=allow_all_zero,
         missing=missing,
         expert_map=expert_map,
+        zero_rows=zero_rows,
     )
 
 
@@ -285,8 +296,10 @@ def _assemble(
     allow_all_zero: bool = False,
     missing: str = "refuse",
     expert_map: Any = None,
+    zero_rows: str = "refuse",
 ) -> RoutingTrace:
     _check_policy(missing)
+    check_zero_rows_policy(zero_rows)
     ids, experts, hidden_layers, model_type, _ = _model_info(model)
     ids = list(moe_layer_ids) if moe_layer_ids is not None else ids
     experts = num_experts if num_experts is not None else experts
@@ -315,9 +328,11 @@ def _assemble(
         selected.append(rows)
     if not allow_all_zero:
         _refuse_all_zero_layers(selected, ids)
+    exempt = _all_zero_layers(selected) if allow_all_zero else None
     laid_out = []
+    gaps = False
     for i, (request, arr) in enumerate(zip(requests, selected)):
-        tokens = int(mask[i].sum())
+        tokens, sent = int(mask[i].sum()), arr.shape[0]
         if request.tokens is not None and request.tokens != tokens:
             raise RoutingError(
                 f"{request.name.capitalize()} has {request.tokens} tokens in the engine output (prompt + "
@@ -337,8 +352,14 @@ def _assemble(
         _check_range(arr, experts, True, request.name, ids)
         if missing == "refuse":
             _refuse_missing(arr, request.name, ids)
+        captured = arr[:sent]  # the engine's rows, not the filled last one
+        routed = handle_zero_rows(captured, request.name, ids, zero_rows, exempt)
+        if routed is not captured:
+            gaps = True  # capture gaps, now -1 rows: the trace routes them live
+            arr = torch.cat([routed, arr[sent:]])
         laid_out.append(arr)
-    return layout_requests(laid_out, mask, experts, layer_ids=ids, model_type=model_type, missing=missing)
+    policy = "live" if gaps else missing
+    return layout_requests(laid_out, mask, experts, layer_ids=ids, model_type=model_type, missing=policy)
 
 
 def _place(request: Request) -> torch.Tensor:
@@ -430,6 +451,14 @@ class _ExpertMap:
                 )
             out[routed, j] = table[values]
         return out
+
+
+def _all_zero_layers(requests: list[torch.Tensor]) -> torch.Tensor:
+    """Per MoE layer, whether no request routes any token of it to an expert other than 0."""
+    rows = [arr for arr in requests if arr.shape[0]]
+    if not rows:
+        return torch.zeros(0, dtype=torch.bool)
+    return ~torch.stack([(arr > 0).any(-1).any(0) for arr in rows]).any(0)
 
 
 def _refuse_all_zero_layers(requests: list[torch.Tensor], ids: list[int]) -> None:

@@ -15,8 +15,9 @@ Example:
     >>> import torch
     >>> from modelgraft.moe.trace import RoutingTrace
     >>> ids = torch.tensor([[0, 5, 6], [7, 8, 9]]); mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
-    >>> pack_sequences(ids, mask)["position_ids"].tolist()
-    [[0, 1, 0, 1, 2]]
+    >>> packed = pack_sequences(ids, mask)
+    >>> packed["position_ids"].tolist(), packed["use_cache"]  # a cache would join the sequences
+    ([[0, 1, 0, 1, 2]], False)
     >>> trace = RoutingTrace([torch.arange(12).reshape(6, 2)], top_k=2, num_experts=16, batch_size=2)
     >>> pack_routes(trace, mask)[0].tolist()  # sequence 0's two real rows, then sequence 1's three
     [[2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
@@ -162,7 +163,9 @@ def pack_sequences(
     Returns:
         ``input_ids`` and ``position_ids`` (``(rows, row_length)``; positions restart at 0 for each
         sequence, as transformers expects for packed sequences), ``seq_lengths`` (per row, the
-        lengths of its sequences) and ``packs``.
+        lengths of its sequences), ``packs``, and ``use_cache=False``: pass it to the forward with
+        the packed tensors, since with a cache transformers does not separate packed sequences
+        (each would attend to the ones packed before it; a replay block refuses that forward).
 
     Raises:
         RoutingError: a mask of another shape than ``input_ids``, bad ``packs`` or ``row_length``.
@@ -188,4 +191,10 @@ def pack_sequences(
             lengths.append(n)
         out_pos[r, start:] = torch.arange(length - start, device=ids.device)  # padding: a sequence of its own
         seq_lengths.append(lengths)
-    return {"input_ids": out_ids, "position_ids": out_pos, "seq_lengths": seq_lengths, "packs": rows}
+    return {
+        "input_ids": out_ids,
+        "position_ids": out_pos,
+        "use_cache": False,
+        "seq_lengths": seq_lengths,
+        "packs": rows,
+    }

@@ -37,6 +37,7 @@ from modelgraft.moe._ids import compact_dtype, is_id_dtype, missing_rows, widen
 from modelgraft.moe._intercept import _Site, hook_scope, unhook_scope
 from modelgraft.moe._layers import moe_layers
 from modelgraft.moe._layout import ForwardLog
+from modelgraft.moe._packed import guard_packed_forwards
 from modelgraft.moe._session import ReplaySession, rows_of
 from modelgraft.moe.trace import RoutingTrace
 
@@ -225,7 +226,10 @@ def replay_routing(
 
     The block yields a :class:`ReplaySession`: ``session.micro_batch(sample_ids)`` makes the forwards
     inside it use the rows of those sequences only (gradient accumulation), padded or packed, and
-    the forwards gradient checkpointing recomputes get the rows of their own micro-batch.
+    the forwards gradient checkpointing recomputes get the rows of their own micro-batch. A packed
+    forward (``position_ids`` restarting inside a row) runs without a cache (``use_cache=False`` is
+    set when not given), since with one transformers lets packed sequences attend to each other;
+    ``use_cache=True``, a cache, or a 2-D attention mask joining packed sequences is refused.
 
     Args:
         model: the model the routing was recorded on (or one with the same architecture).
@@ -241,8 +245,9 @@ def replay_routing(
         RoutingError: wrong number of layers, top-k, an expert id out of range, a non-integer tensor,
             the same expert twice in one token's row, an all-zero layer (unless ``allow_all_zero``), a
             token count that does not match the batch (at forward time), experts in more groups than a
-            group-limited router keeps (at forward time), or routing left unconsumed when the block
-            ends (a layer no forward ran through, or sequences no micro-batch ran).
+            group-limited router keeps (at forward time), a packed forward with a cache or with an
+            attention mask joining its sequences (at forward time), or routing left unconsumed when
+            the block ends (a layer no forward ran through, or sequences no micro-batch ran).
     """
     layers = moe_layers(model)
     tensors, layer_ids = _as_tensors(routing)
@@ -257,10 +262,12 @@ def replay_routing(
     session = ReplaySession(model, sites, routing, whole)
     if isinstance(routing, RoutingTrace) and missing != routing.missing:
         session.trace = routing._copy(list(routing.layers), routing.batch_size, missing=missing)
+    packed_guard = guard_packed_forwards(model)
     try:
         with _hooked(sites):
             yield session
     finally:
+        packed_guard.remove()
         session.close()
     unused = [site.layer.name for site in sites if not site.consumed]
     if unused:

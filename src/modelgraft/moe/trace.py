@@ -304,6 +304,22 @@ class RoutingTrace:
             [self.layers[i] for i in picks], self.batch_size, layer_ids=wanted, layer_names=names
         )
 
+    def summary(self) -> str:
+        """The trace in a few lines: layers, rows, layout, and per layer the rows routed live.
+
+        Rows routed live are the ``-1`` rows of a ``missing="live"`` trace: tokens an engine did
+        not compute (prefix-cache hits) or did not capture (``zero_rows="live"``); every other row
+        is forced by ``replay_routing``.
+
+        Example:
+            >>> print(RoutingTrace([torch.tensor([[1, 2], [0, 3]])], layer_ids=[1], top_k=2).summary())
+            RoutingTrace: 1 MoE layer (decoder layer 1), 2 rows each, top-2, missing='refuse'
+              decoder layer `1`: all 2 rows forced
+        """
+        from modelgraft.moe._summary import summarize  # the summary imports this module's class for types
+
+        return summarize(self)
+
     def check_captured(self, *, allow_all_zero: bool = False) -> RoutingTrace:
         """Check that every layer of the trace holds captured routes; returns the trace.
 
