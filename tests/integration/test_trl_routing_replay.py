@@ -9,6 +9,7 @@ routed experts the (stand-in) vLLM engine returned. The engine routes differentl
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -58,16 +59,29 @@ def _args(tmp_path: Path, **overrides: Any) -> GRPOConfig:
     return GRPOConfig(**settings)
 
 
+#: TRL's colocate mode writes these for vLLM; left set, the next trainer of the process would start
+#: torch.distributed (transformers 4.57 then wraps the model in DistributedDataParallel)
+_VLLM_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _trainer(cls: type, path: str, tmp_path: Path, **kwargs: Any) -> Any:
     args = kwargs.pop("args", None) or _args(tmp_path)
-    return cls(
-        model=path,
-        reward_funcs=th.reward,
-        args=args,
-        train_dataset=th.dataset(),
-        processing_class=th.tokenizer(),
-        **kwargs,
-    )
+    before = {key: os.environ.get(key) for key in _VLLM_ENV}
+    try:
+        return cls(
+            model=path,
+            reward_funcs=th.reward,
+            args=args,
+            train_dataset=th.dataset(),
+            processing_class=th.tokenizer(),
+            **kwargs,
+        )
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _spies(trainer: Any) -> tuple[th.RolloutSpy, th.RolloutSpy]:

@@ -24,7 +24,13 @@ from modelgraft.errors import GraftError
 ROOT = Path(__file__).resolve().parents[2]
 API_DOC = ROOT / "docs" / "api.md"
 PACKAGE = ROOT / "src" / "modelgraft"
-NAMESPACES = ("modelgraft", "modelgraft.grafts", "modelgraft.moe", "modelgraft.testing")
+NAMESPACES = (
+    "modelgraft",
+    "modelgraft.grafts",
+    "modelgraft.moe",
+    "modelgraft.testing",
+    "modelgraft.integrations.trl",
+)
 
 #: Exception classes that never leave the package, with the reason. Each is a private name caught
 #: where it is raised; a new entry needs the same justification.
