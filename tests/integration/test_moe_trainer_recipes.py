@@ -20,6 +20,9 @@ Every forward's experts are read at the experts' input and compared, per real to
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -93,7 +96,7 @@ def _unpad(ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor) ->
 
 
 def _check_forward(
-    seen: ExpertInputs, rollout: dict[str, Any], sample_ids: list[int], packed: bool
+    seen: ExpertInputs, rollout: dict[str, Any], sample_ids: list[int], packed: bool, call: int = -1
 ) -> tuple[int, int]:
     """Per real token but each sequence's last: did the experts get the engine's ids? (checked, differing)."""
     layers = moe_layers(rollout["policy"])
@@ -101,7 +104,7 @@ def _check_forward(
     checked = differing = 0
     for layer in layers:
         calls = seen.calls[layer.name]
-        member = seen.membership(layer.name, calls[-1])
+        member = seen.membership(layer.name, calls[call])
         if not packed:
             member = member.reshape(len(sample_ids), mask.shape[1], -1)[mask.bool()]
         offset = 0
@@ -184,3 +187,41 @@ def test_openrlhf_actor_forward(rollout: dict[str, Any], packing_samples: bool) 
                     policy(ids[micro], attention_mask=mask[micro], position_ids=position_ids, use_cache=False)
             checked, differing = _check_forward(seen, rollout, micro, packed=packing_samples)
             assert checked > 0 and differing == 0
+
+
+# ---- the blocks of docs/moe.md, run as written ---------------------------------------------------------
+DOC = Path(__file__).resolve().parents[2] / "docs" / "moe.md"
+_RECIPE = re.compile(r"<!-- recipe: ([\w-]+) -->\n```python\n(.*?)\n```", re.S)
+
+
+def _recipes() -> dict[str, str]:
+    return dict(_RECIPE.findall(DOC.read_text()))
+
+
+def test_the_docs_have_both_recipes() -> None:
+    assert sorted(_recipes()) == ["openrlhf", "verl"]
+
+
+@pytest.mark.parametrize("name", ["verl", "openrlhf"])
+def test_docs_recipe_replays_the_engines_experts_in_every_micro_batch(
+    rollout: dict[str, Any], name: str
+) -> None:
+    policy = rollout["policy"]
+    micro_batches = [[2, 0, 3], [1]]
+    namespace: dict[str, Any] = {"batch": dict(rollout), "micro_batches": micro_batches}
+    if name == "verl":
+        namespace["actor_module"] = policy
+    else:
+        namespace["actor"] = SimpleNamespace(model=policy)
+        namespace["trace"] = _trace_from_verl_batch(rollout, policy)
+    with ExpertInputs(policy) as seen:
+        exec(compile(_recipes()[name], f"docs/moe.md [{name}]", "exec"), namespace)
+    policy.zero_grad()
+    total = 0
+    for index, ids in enumerate(micro_batches):
+        checked, differing = _check_forward(seen, rollout, ids, packed=True, call=index)
+        assert differing == 0, (
+            f"micro-batch {ids}: {differing} of {checked} token routes are not the engine's"
+        )
+        total += checked
+    assert total == sum(int(m.sum()) - 1 for m in rollout["attention_mask"]) * len(moe_layers(policy))
