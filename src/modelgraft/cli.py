@@ -115,7 +115,7 @@ def _refuse(prog: str, json_mode: bool, message: str, stdout: TextIO) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="modelgraft",
-        description="Inspect architectures, explain patch keys, verify grafts of transformers models.",
+        description="Inspect architectures, explain patch keys, verify grafts of transformers models, compare MoE routing traces.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
