@@ -102,6 +102,8 @@ def test_hf_generate_routes_are_replayed_in_every_training_forward(
     train_forwards = [f for f in policy.forwards if f["phase"] == "train"]
     assert len(train_forwards) == 2 + 4  # old-policy log-probs in 2 chunks of 4, then 4 policy forwards
     assert checked > 0 and checked_ref > 0
+    # TRL checkpoints by default: each policy forward's layers re-ran in backward, with the same experts
+    assert th.recomputes(policy) == 4 * len(policy.names)
     logged = [h for h in trainer.state.log_history if "routing/mismatch_rate" in h]
     assert logged and 0.0 <= logged[0]["routing/mismatch_rate"] <= 1.0
     assert logged[0]["routing/replayed_tokens"] > 0

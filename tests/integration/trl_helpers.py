@@ -325,6 +325,22 @@ def engine_rollouts(
     return rollouts
 
 
+def recomputes(spy: RolloutSpy) -> int:
+    """Layer calls gradient checkpointing re-ran during backward; each must route as its forward did."""
+    count = 0
+    for i, forward in enumerate(spy.forwards):
+        for name in spy.names:
+            calls = spy.experts.calls[name]
+            end = spy.forwards[i + 1]["call"][name] if i + 1 < len(spy.forwards) else len(calls)
+            first = spy.experts.membership(name, calls[forward["call"][name]])
+            for again in calls[forward["call"][name] + 1 : end]:
+                assert torch.equal(spy.experts.membership(name, again), first), (
+                    f"{name}: a recompute routed otherwise"
+                )
+                count += 1
+    return count
+
+
 def check_training_forwards(
     spy: RolloutSpy, rollouts: list, *, expect_forced: bool = True
 ) -> tuple[int, int]:
