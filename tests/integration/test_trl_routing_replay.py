@@ -239,3 +239,26 @@ def test_unsupported_setups_are_refused(checkpoints: dict[str, str], tmp_path: P
         _trainer(RoutingReplayGRPOTrainer, checkpoints["qwen3_moe"], tmp_path, rollout_func=rollout)
     with pytest.raises(RoutingError, match=r"takes a TRL GRPOTrainer or RLOOTrainer"):
         enable_routing_replay(object())
+
+
+def test_server_replies_give_one_trace_row_per_choice_in_trls_order() -> None:
+    """The prompt rows of a reply sit on each choice (several prompts) or on the reply (one prompt)."""
+    from engine_payloads import engine_routes, qwen3_moe, vllm_output, vllm_server_response
+    from modelgraft.integrations.trl import _engine_items
+    from modelgraft.moe import from_vllm, moe_layers
+
+    model = qwen3_moe(num_hidden_layers=2, dense=())
+    prompt, completions = [5, 6, 7], [[9, 10], [11, 12, 13]]
+    reply = vllm_server_response(vllm_output(model, prompt, completions))
+    for choice in reply["choices"]:  # TRL asks for token ids: each choice names its prompt's
+        choice["prompt_token_ids"] = prompt
+    trace = from_vllm(_engine_items([reply], 2), model)
+    assert trace.batch_size == 2
+    for b, completion in enumerate(completions):
+        tokens = prompt + completion
+        want = engine_routes(model, tokens)
+        for layer, rows in zip(moe_layers(model), trace):
+            got = rows.reshape(2, -1, 2)[b, : len(tokens) - 1]
+            assert torch.equal(got, torch.from_numpy(want[:, layer.layer_id]).long())
+    with pytest.raises(RoutingError, match=r"vLLM returned 2 completions with routes but TRL kept 3"):
+        _engine_items([reply], 3)
