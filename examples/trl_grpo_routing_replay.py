@@ -88,7 +88,11 @@ class Watch:
         self.forwards: list[dict[str, Any]] = []
         self.generating = False
         self.layers = moe_layers(model)
+        self.depth = 0
         model.register_forward_pre_hook(self.on_forward, with_kwargs=True)
+        model.register_forward_hook(lambda *_: setattr(self, "depth", self.depth - 1))
+        # the integration measures the rollout-vs-trainer mismatch with a forward of the decoder alone
+        model.get_decoder().register_forward_pre_hook(self.on_decoder)
         for index, layer in enumerate(self.layers):
             layer.scope.register_forward_pre_hook(
                 lambda m, a, k, i=index: self.on_block(i, a, k), with_kwargs=True
@@ -107,7 +111,12 @@ class Watch:
                     lambda m, a, k, i=index: self.on_ids(i, a, k), with_kwargs=True
                 )
 
+    def on_decoder(self, module: Any, args: tuple) -> None:
+        if self.depth == 0:
+            self.forwards.append({"skip": True, "experts": {}})
+
     def on_forward(self, module: Any, args: tuple, kwargs: dict) -> None:
+        self.depth += 1
         # TRL's training log-prob forwards pass `fused_lm_head`; generate's forwards run inside generate
         if self.generating or kwargs.get("fused_lm_head"):
             ids = kwargs["input_ids"]

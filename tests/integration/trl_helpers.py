@@ -243,7 +243,13 @@ class RolloutSpy:
         self.forwards: list[dict[str, Any]] = []
         self.generations: list[dict[str, Any]] = []
         self._phase = "train"
-        self._handle = model.register_forward_pre_hook(self._pre, with_kwargs=True)
+        self._depth = 0
+        self._handles = [
+            model.register_forward_pre_hook(self._pre, with_kwargs=True),
+            model.register_forward_hook(self._post),
+            # a forward of the decoder alone (the integration's mismatch measurement) is a forward too
+            model.get_decoder().register_forward_pre_hook(self._decoder_pre),
+        ]
         original = model.generate
 
         def generate(*args: Any, **kwargs: Any) -> Any:
@@ -257,7 +263,23 @@ class RolloutSpy:
 
         model.generate = generate
 
+    def _post(self, module: Any, args: tuple, output: Any) -> None:
+        self._depth -= 1
+
+    def _decoder_pre(self, module: Any, args: tuple) -> None:
+        if self._depth == 0:
+            names = self.names
+            self.forwards.append(
+                {
+                    "phase": "other",
+                    "input_ids": None,
+                    "attention_mask": None,
+                    "call": {n: len(self.experts.calls[n]) for n in names},
+                }
+            )
+
     def _pre(self, module: Any, args: tuple, kwargs: dict) -> None:
+        self._depth += 1
         ids = kwargs.get("input_ids", args[0] if args else None)
         # TRL's log-prob forwards pass `fused_lm_head`; a forward without it (the mismatch measurement
         # of the integration, routed live on purpose) is not a training forward.
@@ -272,7 +294,8 @@ class RolloutSpy:
         )
 
     def close(self) -> None:
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
         self.experts.__exit__()
         del self.model.generate
 

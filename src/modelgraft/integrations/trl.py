@@ -302,7 +302,9 @@ class RoutingReplayMixin:
         mode = "train" if trainer.model.training else "eval"
         ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        model = trainer.accelerator.unwrap_model(trainer.model)
+        # The decoder alone: the routers are all in it, and the LM head's (batch, seq, vocab) logits
+        # would cost what TRL's fused head saves.
+        model = _backbone(trainer.accelerator.unwrap_model(trainer.model))
         step = (
             trainer.args.per_device_train_batch_size
             if mode == "train"
@@ -326,6 +328,16 @@ class RoutingReplayMixin:
         trainer._metrics[mode]["routing/mismatch_rate_max_layer"].append(result.max_rate)
         trainer._metrics[mode]["routing/token_mismatch_rate"].append(result.token_rate)
         self.last_routing_comparison = result
+
+
+def _backbone(model: nn.Module) -> nn.Module:
+    """The model's decoder (``get_decoder()``) when it has one, else the model."""
+    get = getattr(model, "get_decoder", None)
+    try:
+        decoder = get() if callable(get) else None
+    except Exception:  # a model whose get_decoder cannot answer: the whole model will do
+        decoder = None
+    return decoder if isinstance(decoder, nn.Module) else model
 
 
 # ---- the trainers ---------------------------------------------------------------------------------
