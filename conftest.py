@@ -8,6 +8,7 @@ A doctest whose example only exists on 5.x is reported as skipped, with its reas
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,11 @@ _V5_ONLY = {
     "(`conversion_mapping`, `revert_weight_conversion`); 4.57 uses `modelgraft/_compat/_loading_v4.py`",
 }
 _NOT_HERE = {} if _compat.IS_V5 else _V5_ONLY
+if importlib.util.find_spec("trl") is None:  # the `trl` extra (TRL needs Python 3.11+)
+    _NOT_HERE = {
+        **_NOT_HERE,
+        "src/modelgraft/integrations/trl.py": "needs `trl` (pip install 'modelgraft[trl]'; Python 3.11+)",
+    }
 
 _FUSED = "shows fused 3D MoE experts of transformers 5.x; 4.57 already builds per-expert `nn.Linear` experts"
 # doctest name -> why its example needs transformers 5.x (the test is reported as skipped on 4.57)

@@ -1,7 +1,7 @@
-"""The ``modelgraft`` command line: ``inspect``, ``explain`` and ``verify``.
+"""The ``modelgraft`` command line: ``inspect``, ``explain``, ``verify`` and ``compare-routing``.
 
 Every command takes ``--json`` (one JSON document on stdout). Exit codes: 0 success, 1 a
-``verify`` check failed, 2 the command could not run (usage error, bad target or config, bad key,
+``verify`` check failed (or ``compare-routing --max-rate`` was exceeded), 2 the command could not run (usage error, bad target or config, bad key,
 import error): then one line says why, ``{"error": "..."}`` on stdout under ``--json``, else on
 stderr; never a traceback.
 
@@ -115,7 +115,7 @@ def _refuse(prog: str, json_mode: bool, message: str, stdout: TextIO) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="modelgraft",
-        description="Inspect architectures, explain patch keys, verify grafts of transformers models.",
+        description="Inspect architectures, explain patch keys, verify grafts of transformers models, compare MoE routing traces.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -166,6 +166,27 @@ def _parser() -> argparse.ArgumentParser:
     )
     p_verify.add_argument("--seed", type=int, default=0, help="seed for the tiny checkpoint and inputs")
     p_verify.set_defaults(run=_cmd_verify, key=None)
+
+    p_compare = sub.add_parser(
+        "compare-routing", help="per MoE layer, how often two routing traces of the same tokens differ"
+    )
+    p_compare.add_argument(
+        "trace_a", metavar="TRACE_A", help="a trace file (`RoutingTrace.save`), e.g. the engine's"
+    )
+    p_compare.add_argument(
+        "trace_b", metavar="TRACE_B", help="a trace of the same tokens, e.g. the trainer's"
+    )
+    p_compare.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+    p_compare.add_argument(
+        "--positions", type=int, default=8, help="differing positions listed per layer (default 8)"
+    )
+    p_compare.add_argument(
+        "--max-rate",
+        type=float,
+        default=None,
+        help="exit 1 when the share of differing token routes exceeds this (0..1)",
+    )
+    p_compare.set_defaults(run=_cmd_compare_routing, key=None, graft=None)
     return parser
 
 
@@ -408,6 +429,21 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     else:
         print(result.format_table())
     return 0 if result.passed else 1
+
+
+def _cmd_compare_routing(args: argparse.Namespace) -> int:
+    from modelgraft.moe import RoutingTrace, compare_routing
+
+    if args.positions < 0:
+        raise ValueError(f"--positions must be >= 0; got {args.positions}.")
+    if args.max_rate is not None and not 0.0 <= args.max_rate <= 1.0:
+        raise ValueError(f"--max-rate must be within 0..1; got {args.max_rate}.")
+    result = compare_routing(RoutingTrace.load(args.trace_a), RoutingTrace.load(args.trace_b))
+    if args.json:
+        _print_json(args, result.to_dict(max_positions=args.positions))
+    else:
+        print(result.summary(max_positions=args.positions))
+    return 1 if args.max_rate is not None and result.mismatch_rate > args.max_rate else 0
 
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -59,7 +59,13 @@ EXPECTED: dict[str, list[str]] = {
         "apply_patches, inside: CustomExperts",
         "apply_patches, outside: Qwen2MoeExperts",
     ],
+    "trl_grpo_routing_replay.py": [
+        "training forwards checked: 6 (old-policy log-probs in 2 chunks, 2 steps x 2 micro-batches)",
+    ],
 }
+
+#: examples whose last line must start with this (the example exits 1 otherwise)
+LAST_LINE = {"trl_grpo_routing_replay.py": "replay: exact ("}
 
 #: examples whose last line reports the largest logits difference against the plain model
 COMPARED = {"troubleshooting_weight_shapes.py", "complete_qwen2_moe.py"}
@@ -103,6 +109,8 @@ def test_example_runs_and_prints_what_the_docs_say(name: str, example_env: dict[
             f"{expected!r} not printed (in order) by {name}:\n{done.stdout}"
         )
         position = lines.index(expected, position + 1)
+    if name in LAST_LINE:
+        assert lines[-1].startswith(LAST_LINE[name]), done.stdout
     if name in COMPARED:
         found = re.search(r"max \|logits difference\| = (\S+)$", done.stdout.rstrip())
         assert found is not None, done.stdout
