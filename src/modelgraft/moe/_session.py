@@ -55,7 +55,9 @@ def rows_of(tensors: Sequence[torch.Tensor], batch_size: int | None, live_ok: bo
     return _Rows(list(tensors), live, batch_size)
 
 
-def _micro_batch_mask(mask: torch.Tensor, ids: tuple[int, ...], trace: RoutingTrace, mask_of: str) -> torch.Tensor:
+def _micro_batch_mask(
+    mask: torch.Tensor, ids: tuple[int, ...], trace: RoutingTrace, mask_of: str
+) -> torch.Tensor:
     """The mask of the micro-batch's sequences, row ``j`` for ``ids[j]``, from either kind of mask."""
     if mask_of not in ("auto", "rollout", "micro_batch"):
         raise RoutingError(f"`mask_of` must be 'auto', 'rollout' or 'micro_batch'; got `{mask_of!r}`.")
