@@ -36,7 +36,7 @@ from torch import nn
 from modelgraft.errors import RoutingError
 from modelgraft.moe._intercept import _Site, active_sites
 
-__all__ = ["ForwardLog"]
+__all__ = ["ForwardLog", "input_shape", "past_length"]
 
 
 @dataclass
@@ -60,7 +60,7 @@ class _Session:
     length: int = 0
 
 
-def _input_shape(args: tuple[Any, ...], kwargs: dict[Any, Any]) -> tuple[int | None, int | None]:
+def input_shape(args: tuple[Any, ...], kwargs: dict[Any, Any]) -> tuple[int | None, int | None]:
     tensor = kwargs.get("input_ids")
     if tensor is None:
         tensor = kwargs.get("inputs_embeds")
@@ -71,7 +71,7 @@ def _input_shape(args: tuple[Any, ...], kwargs: dict[Any, Any]) -> tuple[int | N
     return int(tensor.shape[0]), int(tensor.shape[1])
 
 
-def _past_length(kwargs: dict[Any, Any]) -> int:
+def past_length(kwargs: dict[Any, Any]) -> int:
     """Cache position the forward starts at: tokens already in the KV cache it was given."""
     position = kwargs.get("cache_position")
     if isinstance(position, torch.Tensor) and position.numel():
@@ -140,8 +140,8 @@ class ForwardLog:
     def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[Any, Any]) -> None:
         if not self._owned():
             return
-        batch, seq = _input_shape(args, kwargs)
-        forward = _Forward(len(self.forwards) + 1, batch, seq, _past_length(kwargs), self._recorded())
+        batch, seq = input_shape(args, kwargs)
+        forward = _Forward(len(self.forwards) + 1, batch, seq, past_length(kwargs), self._recorded())
         if forward.past == 0:
             self.sessions.append(_Session(batch))
         else:

@@ -292,8 +292,8 @@ class RoutingTrace:
         """The trace of the MoE layers ``layer_ids`` (decoder-layer indices), in that order.
 
         Raises:
-            RoutingError: a layer id the trace does not hold (names it and the ids it holds), or a
-                trace whose layer ids repeat (several routing sites per decoder layer).
+            RoutingError: a layer id the trace does not hold (names it and the ids it holds), a layer
+                id given twice, or a trace whose layer ids repeat (several routing sites per decoder layer).
 
         Example:
             >>> trace = RoutingTrace([torch.tensor([[0, 1]]), torch.tensor([[2, 3]])], layer_ids=[1, 3])
@@ -301,6 +301,11 @@ class RoutingTrace:
             ([3], [[2, 3]])
         """
         wanted = _id_list(layer_ids, "layer_ids")
+        repeated = sorted({lid for lid in wanted if wanted.count(lid) > 1})
+        if repeated:
+            raise RoutingError(
+                f"`layer_ids` names decoder layer `{repeated[0]}` twice ({wanted}); a trace holds each layer once."
+            )
         if len(set(self.layer_ids)) != len(self.layer_ids):
             raise RoutingError(
                 f"This trace has several routing sites per decoder layer (layer ids {self.layer_ids}); "
