@@ -64,7 +64,13 @@ def save_trace(trace: RoutingTrace, path: str | os.PathLike[str]) -> None:
     tensors, meta = _payload(trace)
     try:
         save_file(tensors, os.fspath(path), metadata=meta)
-    except (SafetensorError, OSError, RuntimeError, ValueError, TypeError) as exc:  # safetensors reports I/O as its own error
+    except (
+        SafetensorError,
+        OSError,
+        RuntimeError,
+        ValueError,
+        TypeError,
+    ) as exc:  # safetensors reports I/O as its own error
         raise RoutingError(
             f"Cannot write the routing trace to `{path}` ({type(exc).__name__}: {exc}); pass a path in an existing, "
             "writable directory."
