@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from modelgraft import (
     Chunk,
     Concatenate,
+    ConversionError,
     ConversionShapeError,
     MergeModulelist,
     MissingSourceKeyError,
@@ -71,11 +72,20 @@ def test_partial_sources_raise_and_absent_sources_are_reported():
     assert plan.unsourced_targets == [(QKV, "l.0.qkv_proj.weight")]
 
 
-def test_first_converter_claiming_a_target_wins():
+def test_two_converters_building_the_same_target_from_the_checkpoint_are_an_overlap_error():
+    """Issue 19: not "the first one wins" (an accident of registration order)."""
     other = WeightConverter(["a", "b", "c"], "qkv_proj", [Concatenate(dim=0)])
     src = _src("l", {"q_proj.weight": (1, 1), "k_proj.weight": (1, 1), "v_proj.weight": (1, 1)})
     src.update(_src("l", {"a.weight": (1, 1), "b.weight": (1, 1), "c.weight": (1, 1)}))
-    assert [g.converter for g in plan_groups([other, QKV], ["l.qkv_proj.weight"], src).groups] == [other]
+    for order in ([other, QKV], [QKV, other]):
+        with pytest.raises(ConversionError, match=r"both build `l.qkv_proj.weight` from this checkpoint"):
+            plan_groups(order, ["l.qkv_proj.weight"], src)
+
+
+def test_an_alternative_layout_the_checkpoint_does_not_hold_is_no_overlap():
+    other = WeightConverter(["a", "b", "c"], "qkv_proj", [Concatenate(dim=0)])
+    src = _src("l", {"q_proj.weight": (1, 1), "k_proj.weight": (1, 1), "v_proj.weight": (1, 1)})
+    assert [g.converter for g in plan_groups([other, QKV], ["l.qkv_proj.weight"], src).groups] == [QKV]
 
 
 def test_renaming_round_trips():

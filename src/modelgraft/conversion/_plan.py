@@ -24,7 +24,12 @@ from modelgraft.conversion._groups import Group, Plan
 from modelgraft.conversion.keys import are_segment_patterns, bucket_keys
 from modelgraft.conversion.ops import ConversionContext, ShapeGroups, TensorGroups
 from modelgraft.conversion.rules import WeightConverter
-from modelgraft.errors import ConversionShapeError, IrreversibleConversionError, MissingSourceKeyError
+from modelgraft.errors import (
+    ConversionError,
+    ConversionShapeError,
+    IrreversibleConversionError,
+    MissingSourceKeyError,
+)
 
 __all__ = ["Group", "Plan", "plan_groups", "run_convert", "run_reverse"]
 
@@ -57,10 +62,10 @@ def plan_groups(
         return plan_hf_groups(converters, target_keys, source_shapes, strict_sources, base_model_prefix)
     plan = Plan()
     target_keys = list(target_keys)
-    taken: set[str] = set()
+    taken: dict[str, WeightConverter] = {}  # target key -> the converter whose group builds it
     for conv in converters:
         assert are_segment_patterns(conv._targets) and are_segment_patterns(conv._sources)  # no `_hf` here
-        tgt_buckets = bucket_keys(conv._targets, (k for k in target_keys if k not in taken))
+        tgt_buckets = bucket_keys(conv._targets, target_keys)
         if not tgt_buckets:
             continue
         src_buckets = bucket_keys(conv._sources, source_shapes)
@@ -69,6 +74,18 @@ def plan_groups(
                 continue  # not every target pattern exists here: not this converter's layout
             sslots = src_buckets.get((prefix, suffix))
             targets = tuple(_ordered(s) for s in tslots)
+            claimed = next((k for keys in targets for k in keys if k in taken), None)
+            if claimed is not None:
+                if sslots is not None and all(sslots):
+                    # Two converters that would both build this parameter from the checkpoint: which one
+                    # fills it must not depend on their order.
+                    raise ConversionError(
+                        f"Converters {taken[claimed]!r} and {conv!r} both build `{claimed}` from this checkpoint: "
+                        "their patterns overlap, so which one fills it would depend on their order. Make the "
+                        "patterns disjoint (anchor them to the module path), or register one converter for "
+                        "these keys."
+                    )
+                continue
             if sslots is None or not any(sslots):
                 plan.unsourced_targets.extend((conv, k) for keys in targets for k in keys)
                 continue
@@ -88,7 +105,7 @@ def plan_groups(
             sources = tuple(_ordered(s) for s in sslots)
             shapes = [[torch.Size(source_shapes[k]) for k in keys] for keys in sources]
             plan.groups.append(Group(conv, sources, targets, shapes))
-            taken.update(k for keys in targets for k in keys)
+            taken.update((k, conv) for keys in targets for k in keys)
     return plan
 
 
