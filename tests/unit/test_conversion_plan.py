@@ -14,6 +14,7 @@ from modelgraft import (
     Chunk,
     Concatenate,
     ConversionError,
+    ConversionOperation,
     ConversionShapeError,
     MergeModulelist,
     MissingSourceKeyError,
@@ -158,3 +159,32 @@ def test_device_for_picks_the_longest_device_map_prefix():
     assert find("lm_head.weight") == "disk"  # passed on: the load step offloads it
     assert device_for_map(None)("x") == "cpu"
     assert device_for_map({"model": "cpu"})("lm_head.weight") == "cpu"  # no prefix matches
+
+
+# ---- issue 19: a user operation whose reverse is not its inverse is found at load --------------------
+class _Scale(ConversionOperation):
+    """A user operation: ``convert`` scales by 2; ``reverse`` undoes it, or not (``exact=False``)."""
+
+    def __init__(self, exact: bool) -> None:
+        self.exact = exact
+
+    def convert(self, tensors, context):
+        return [[t * 2 for t in g] for g in tensors]
+
+    def reverse(self, tensors, context):
+        return [[t / 2 if self.exact else t.clone() for t in g] for g in tensors]
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_user_reverse_that_is_not_the_inverse_is_refused_at_load(exact: bool) -> None:
+    conv = WeightConverter("w_old", "w_new", [_Scale(exact)])
+    [group] = plan_groups([conv], ["l.w_new.weight"], {"l.w_old.weight": S((2, 3))}).groups
+    loaded = torch.arange(6.0).reshape(2, 3)
+    if exact:
+        [[out]] = run_convert(group, [[loaded]], [[S((2, 3))]])
+        assert torch.equal(out, loaded * 2)
+        return
+    with pytest.raises(
+        ConversionError, match=r"the reverse of `_Scale` does not undo its convert on `l.w_old.weight`"
+    ):
+        run_convert(group, [[loaded]], [[S((2, 3))]])

@@ -135,7 +135,56 @@ def run_convert(
         except (RuntimeError, ValueError, IndexError, TypeError) as e:
             raise _operation_error(group, op, sources, target_shapes, name, e) from e
     _check_shapes(group, tensors, target_shapes, "load", name)
+    _check_user_reverse(group, sources, tensors, name)
     return tensors
+
+
+_CHECKED = "_modelgraft_reverse_checked"
+
+
+def _user_ops(group: Group) -> list[object]:
+    """Operations a user wrote (modelgraft's and transformers' own are tested as inverses)."""
+    from modelgraft.conversion._hf_ops import TransformersOperation
+
+    return [
+        op
+        for op in group.converter.operations
+        if not isinstance(op, TransformersOperation)
+        and not type(op).__module__.startswith(("modelgraft.", "transformers."))
+    ]
+
+
+def _check_user_reverse(
+    group: Group, sources: TensorGroups, converted: TensorGroups, name: Callable[[str], str]
+) -> None:
+    """Once per converter with a user operation: ``reverse(convert(x)) == x`` on the tensors being loaded.
+
+    A reverse that is not the inverse would otherwise surface only at save (a checkpoint that
+    differs from the one loaded) or never (weight sync sending other numbers).
+    """
+    converter = group.converter
+    if getattr(converter, _CHECKED, False) or not _user_ops(group):
+        return
+    if any(not op.is_reversible for op in converter.operations):
+        return  # irreversible: refused at save, where the way back is needed
+    if any(t.device.type == "meta" for g in [*sources, *converted] for t in g):
+        return  # no values to compare yet: checked on the first load with values
+    back = run_reverse(group, converted)
+    for keys, originals, returned in zip(group.sources, sources, back):
+        for key, original, got in zip(keys, originals, returned):
+            if got.shape != original.shape or got.dtype != original.dtype or not torch.equal(got, original):
+                ops = ", ".join(f"`{type(op).__name__}`" for op in _user_ops(group))
+                raise ConversionError(
+                    f"Converter {converter!r}: the reverse of {ops} does not undo its convert on `{name(key)}` "
+                    f"(convert then reverse gives {tuple(got.shape)} {got.dtype}, "
+                    f"{'other values' if got.shape == original.shape else 'another shape'}; loaded "
+                    f"{tuple(original.shape)} {original.dtype}). Saving and weight sync would write other weights "
+                    "than were loaded: make `reverse` the exact inverse of `convert`."
+                )
+    try:
+        setattr(converter, _CHECKED, True)
+    except (AttributeError, TypeError):  # a frozen converter: checked again next time, still correct
+        pass
 
 
 def _operation_error(
