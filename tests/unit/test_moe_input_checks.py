@@ -37,7 +37,9 @@ def test_an_all_missing_layer_is_a_missing_route_not_an_all_zero_layer() -> None
     rows = _rows(4)
     rows[:, 1] = -1  # layer 1 never captured
     for missing in ("refuse", "live"):
-        with pytest.raises(RoutingError, match=r"MoE layer `1` has no route in any request \(every row is -1"):
+        with pytest.raises(
+            RoutingError, match=r"MoE layer `1` has no route in any request \(every row is -1"
+        ):
             from_vllm([rows], input_lengths=[4], missing=missing, **ENGINE)
 
 
@@ -45,14 +47,19 @@ def test_an_expert_map_entry_of_minus_one_is_a_missing_route() -> None:
     table = np.array([0, 1, 2, 3, -1])  # physical slot 4 has no logical expert
     rows = _rows(3)
     rows[1, 0] = [4, 1]
-    with pytest.raises(RoutingError, match=r"token 1 of decoder layer `0` to physical expert 4, which `expert_map` maps to -1"):
+    with pytest.raises(
+        RoutingError,
+        match=r"token 1 of decoder layer `0` to physical expert 4, which `expert_map` maps to -1",
+    ):
         from_vllm([rows], input_lengths=[3], expert_map=table, **ENGINE)
 
 
 @pytest.mark.parametrize("bad", [-2, -7])
 def test_negative_ids_other_than_minus_one_are_refused(bad: int) -> None:
     trace = RoutingTrace([torch.tensor([[0, 1], [bad, bad]])], top_k=2, num_experts=4, missing="live")
-    with pytest.raises(RoutingError, match=rf"row 1 = \[{bad}, {bad}\]: only -1 marks a token without a route"):
+    with pytest.raises(
+        RoutingError, match=rf"row 1 = \[{bad}, {bad}\]: only -1 marks a token without a route"
+    ):
         trace.compact()
     model = qwen3_moe(num_hidden_layers=1, dense=())
     layers = [torch.tensor([[0, 1], [bad, bad], [2, 3]])]
@@ -69,22 +76,30 @@ def test_negative_ids_other_than_minus_one_are_refused(bad: int) -> None:
 def test_an_npy_header_whose_fortran_order_is_not_a_bool_is_refused(value: str) -> None:
     raw = base64.b64decode(npy_base64(_rows(3)))
     size = int.from_bytes(raw[8:10], "little")
-    header = raw[10 : 10 + size].decode("latin1").replace("'fortran_order': False", f"'fortran_order': {value}")
+    header = (
+        raw[10 : 10 + size].decode("latin1").replace("'fortran_order': False", f"'fortran_order': {value}")
+    )
     header = header.rstrip("\n").ljust(size - 1) + "\n"
     assert len(header) == size
     payload = base64.b64encode(raw[:10] + header.encode("latin1") + raw[10 + size :]).decode()
-    with pytest.raises(RoutingError, match=rf"`fortran_order` {value} in their header; expected True or False"):
+    with pytest.raises(
+        RoutingError, match=rf"`fortran_order` {value} in their header; expected True or False"
+    ):
         from_vllm([payload], input_lengths=[3], **ENGINE)
 
 
 def test_negative_input_lengths_are_refused() -> None:
-    with pytest.raises(RoutingError, match=r"`input_lengths` must hold non-negative token counts, one per request; got -3"):
+    with pytest.raises(
+        RoutingError, match=r"`input_lengths` must hold non-negative token counts, one per request; got -3"
+    ):
         from_vllm([_rows(3), _rows(3)], input_lengths=[3, -3], **ENGINE)
 
 
 def test_an_attention_mask_and_input_lengths_that_disagree_are_refused() -> None:
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
-    with pytest.raises(RoutingError, match=r"`attention_mask` and `input_lengths` disagree: mask row 0 has 3"):
+    with pytest.raises(
+        RoutingError, match=r"`attention_mask` and `input_lengths` disagree: mask row 0 has 3"
+    ):
         from_vllm([_rows(3), _rows(4)], attention_mask=mask, input_lengths=[4, 4], **ENGINE)
     trace = from_vllm([_rows(3), _rows(4)], attention_mask=mask, input_lengths=[3, 4], **ENGINE)
     assert trace.batch_size == 2 and trace.num_tokens == 8
@@ -99,7 +114,10 @@ def test_a_trace_file_whose_batch_size_was_changed_is_refused(tmp_path: Path) ->
         meta, tensors = handle.metadata(), {k: handle.get_tensor(k) for k in handle.keys()}
     edited = tmp_path / "edited.safetensors"
     save_file(tensors, str(edited), metadata={**meta, "batch_size": json.dumps(3)})  # 3 still divides 12
-    with pytest.raises(RoutingError, match=r"metadata `batch_size` 3 and `seq_len` 6 describe 18 rows but tensor `layer.0` has 12"):
+    with pytest.raises(
+        RoutingError,
+        match=r"metadata `batch_size` 3 and `seq_len` 6 describe 18 rows but tensor `layer.0` has 12",
+    ):
         RoutingTrace.load(edited)
 
 
@@ -109,7 +127,9 @@ def test_a_trace_laid_out_for_another_batch_is_refused_at_the_forward() -> None:
     with torch.no_grad(), record_routing(model) as trace:
         model(input_ids=ids, use_cache=False)
     assert trace.batch_size == 2
-    with pytest.raises(RoutingError, match=r"lays out 2 sequences of 6 positions, but this forward .* has 3 sequences of 4"):
+    with pytest.raises(
+        RoutingError, match=r"lays out 2 sequences of 6 positions, but this forward .* has 3 sequences of 4"
+    ):
         with torch.no_grad(), replay_routing(model, trace):
             model(input_ids=ids.reshape(3, 4), use_cache=False)
     with torch.no_grad(), replay_routing(model, trace):  # the same 12 tokens in the recorded layout
