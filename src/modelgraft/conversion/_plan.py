@@ -62,7 +62,7 @@ def plan_groups(
         return plan_hf_groups(converters, target_keys, source_shapes, strict_sources, base_model_prefix)
     plan = Plan()
     target_keys = list(target_keys)
-    taken: dict[str, WeightConverter] = {}  # target key -> the converter whose group builds it
+    taken: dict[str, tuple[WeightConverter, str | None]] = {}  # target key -> converter, renamed-from key
     for conv in converters:
         assert are_segment_patterns(conv._targets) and are_segment_patterns(conv._sources)  # no `_hf` here
         tgt_buckets = bucket_keys(conv._targets, target_keys)
@@ -76,11 +76,15 @@ def plan_groups(
             targets = tuple(_ordered(s) for s in tslots)
             claimed = next((k for keys in targets for k in keys if k in taken), None)
             if claimed is not None:
-                if sslots is not None and all(sslots):
+                if (
+                    sslots is not None
+                    and all(sslots)
+                    and not _same_renaming(taken[claimed], conv, claimed, targets, sslots)
+                ):
                     # Two converters that would both build this parameter from the checkpoint: which one
                     # fills it must not depend on their order.
                     raise ConversionError(
-                        f"Converters {taken[claimed]!r} and {conv!r} both build `{claimed}` from this checkpoint: "
+                        f"Converters {taken[claimed][0]!r} and {conv!r} both build `{claimed}` from this checkpoint: "
                         "their patterns overlap, so which one fills it would depend on their order. Make the "
                         "patterns disjoint (anchor them to the module path), or register one converter for "
                         "these keys."
@@ -105,8 +109,36 @@ def plan_groups(
             sources = tuple(_ordered(s) for s in sslots)
             shapes = [[torch.Size(source_shapes[k]) for k in keys] for keys in sources]
             plan.groups.append(Group(conv, sources, targets, shapes))
-            taken.update((k, conv) for keys in targets for k in keys)
+            renamed = _renamed_from(conv, targets, sources)
+            taken.update((k, (conv, renamed.get(k))) for keys in targets for k in keys)
     return plan
+
+
+def _renamed_from(
+    conv: WeightConverter, targets: tuple[tuple[str, ...], ...], sources: tuple[tuple[str, ...], ...]
+) -> dict[str, str]:
+    """For a pure renaming, the source key each target key is renamed from (empty otherwise)."""
+    if conv.operations or len(targets) != len(sources):
+        return {}
+    return {
+        t: s
+        for tkeys, skeys in zip(targets, sources)
+        if len(tkeys) == len(skeys)
+        for t, s in zip(tkeys, skeys)
+    }
+
+
+def _same_renaming(
+    previous: tuple[WeightConverter, str | None],
+    conv: WeightConverter,
+    claimed: str,
+    targets: tuple[tuple[str, ...], ...],
+    sslots: Sequence[dict[int | None, str]],
+) -> bool:
+    """Two renamings that move the same checkpoint key to the same parameter (a general rule and a
+    specific one in one table): the same result whichever runs, so no conflict."""
+    renamed = _renamed_from(conv, targets, tuple(_ordered(s) for s in sslots))
+    return previous[1] is not None and renamed.get(claimed) == previous[1]
 
 
 def run_convert(
