@@ -61,6 +61,7 @@ from modelgraft._live_carry import (
     refuse_wrapped,
     same_dtype_and_device,
 )
+from modelgraft._live_optim import Moved, plan_optimizer, retire
 from modelgraft.conversion._plan import Group, plan_groups, run_convert
 from modelgraft.conversion.save import remember_graft
 from modelgraft.conversion.scopes import Scope, resolve_scopes, scope_for
@@ -89,12 +90,15 @@ class _Target:
     groups: list[Group] = field(default_factory=list)  # the conversions that filled it, for saving
     hooks: list[HookMove] = field(default_factory=list)  # hook tables to hand over at swap time
     scope: Scope | None = None  # the conversion scope a load would use for it (resolve_scopes)
+    filled: Any = None  # the _Filled that made `built` (its sources and conversion, for optimizer state)
 
 
 def graft_model(
     model: torch.nn.Module,
     mapping: Graft | Mapping[str, type[torch.nn.Module]] | None = None,
     conversions: Mapping[str, Sequence[Any]] | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> torch.nn.Module:
     """Replace, in place, the modules of a built model whose classes the patches replace.
 
@@ -106,6 +110,11 @@ def graft_model(
             applies only what is registered.
         conversions: ``{model_type_or_class_name: [WeightConverter, ...]}`` added to the graft, to
             carry weights into replacements with another layout.
+        optimizer: an optimizer already built on the model: each parameter the graft replaces by a
+            new one is replaced in its parameter group too, and its state moves exactly (state shaped
+            like the weight goes through the weights' own conversion; ``step`` and other entries
+            must agree between the sources). Without it, an optimizer that still holds a replaced
+            parameter refuses to ``step()`` (:class:`GraftStateError` naming the parameter).
 
     A key that matches the model's own class (``chunked_lm_loss()`` replaces ``*ForCausalLM``)
     switches the class of the model object itself, in place, when the replacement is a subclass
@@ -125,6 +134,8 @@ def graft_model(
         ReplacementTypeError: a key matches the model's own class and its replacement is not a
             subclass of it (the model is unchanged).
         GraftError: a replacement could not be constructed (the model is unchanged).
+        GraftStateError: the optimizer's state cannot be moved exactly (sources in different
+            groups, or with different entries); the model and the optimizer are unchanged.
     """
     graft = as_graft(mapping, conversions)
     with _scope(graft) as snap:
@@ -139,7 +150,13 @@ def graft_model(
         for target in targets:  # build, fill and check everything before touching the model
             target.scope = scope_for(scopes, target.path + ".")
             _build(model, target, snap)
+        moved = [_moved(model, t) for t in targets]
+        move = plan_optimizer(optimizer, moved) if optimizer is not None else None
         _swap_in(model, targets)
+        if move is not None:
+            move.apply()
+        kept = {id(p) for p in model.parameters()}
+        retire({k: p for unit in moved for k, p in unit.old.items() if id(p) not in kept})
         if root is not None:
             model.__class__ = root.replacement_cls
         if targets:
@@ -361,6 +378,31 @@ def _build(model: torch.nn.Module, target: _Target, snap: Snapshot) -> None:
     target.hooks = plan_hooks(target.path, original, built, unchanged)
     target.records, target.groups = filled.records, filled.groups
     target.built = built
+    target.filled = filled
+
+
+def _moved(model: torch.nn.Module, target: _Target) -> Moved:
+    """The parameters one target trades, and how old-layout tensors convert (for optimizer state)."""
+    prefix = target.path + "."
+    assert target.built is not None and target.filled is not None
+    old_state = {prefix + k: v for k, v in raw_state(target.original).items()}
+    new_state = {prefix + k: v for k, v in raw_state(target.built).items()}
+    wanted = {k: v.shape for k, v in new_state.items()}
+    method = target.filled.method
+
+    def convert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            converted = method(model, target, tensors, wanted)
+        return converted.values if converted is not None else {}
+
+    return Moved(
+        target.path,
+        {k: v for k, v in old_state.items() if isinstance(v, torch.nn.Parameter)},
+        {k: v for k, v in new_state.items() if isinstance(v, torch.nn.Parameter)},
+        dict(target.filled.sources),
+        convert,
+        {k: v.detach() for k, v in old_state.items() if not isinstance(v, torch.nn.Parameter)},
+    )
 
 
 @dataclass
@@ -372,6 +414,7 @@ class _Filled:
     sources: dict[str, tuple[str, ...]]
     records: list[ConversionRecord] = field(default_factory=list)
     groups: list[Group] = field(default_factory=list)
+    method: Any = None  # the function that made them (to convert optimizer state the same way)
 
 
 def _fill(model: torch.nn.Module, target: _Target, built: torch.nn.Module) -> _Filled:
@@ -385,6 +428,7 @@ def _fill(model: torch.nn.Module, target: _Target, built: torch.nn.Module) -> _F
             continue
         problem = _coverage_problem(attempt.values, wanted)
         if problem is None:
+            attempt.method = source_of
             return attempt
         failures.append(problem)
     raise ConversionError(

@@ -16,8 +16,9 @@ Matching rules for classes:
 
 * A key made only of identifier characters (``LlamaAttention``) is an *exact* class name and
   matches only a class bound under exactly that name.
-* Any other key is a regular expression matched with :func:`re.search`. Patterns that can
-  backtrack catastrophically are refused at registration (:mod:`modelgraft._patterns`), and a
+* Any other key is a regular expression searched for in the class name (like :func:`re.search`)
+  by RE2, in time linear in the name, so no key can hang a load; what RE2 cannot express
+  (backreferences, lookaround) is refused at registration (:mod:`modelgraft._patterns`), and a
   pattern is matched against each class name once.
 * Exact keys win over patterns; among patterns the one registered first wins. Scoped layers are
   searched innermost first, then the global registry; a scoped key equal to an outer key hides
@@ -351,9 +352,9 @@ def validate_classes(mapping: object, source: str) -> list[_Entry]:
                 matcher = _patterns.matcher(key)
             except _patterns.UnsafePatternError as exc:
                 raise PatchRegistrationError(
-                    f"Patch key `{key}` is refused: it can backtrack catastrophically ({exc}), which would "
-                    "hang every load. Rewrite it without that shape (e.g. `(\\w+)+` -> `\\w+`), or use exact "
-                    "class names; see docs/patching.md, 'Key matching rules'."
+                    f"Patch key `{key}` is refused: {exc}. Rewrite it with what RE2 supports (alternation, "
+                    "classes, repetition, anchors), or use exact class names; see docs/patching.md, 'Key "
+                    "matching rules'."
                 ) from None
             except Exception as exc:  # re.error, or a recursion error on absurd nesting
                 raise PatchRegistrationError(
@@ -552,7 +553,7 @@ def register_patch_mapping(mapping: Mapping[str, type[torch.nn.Module]], overwri
 
     Raises:
         PatchRegistrationError: a key is not a non-empty string, is an invalid regular expression
-            or one that can backtrack catastrophically, or is already registered while
+            or one RE2 cannot express (a backreference, lookaround), or is already registered while
             ``overwrite`` is False.
         ReplacementTypeError: a value is not a class, or not a subclass of ``torch.nn.Module``.
 

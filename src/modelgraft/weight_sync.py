@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from modelgraft import _compat
+from modelgraft._peft_sync import restoring, without_adapters
 from modelgraft.conversion._plan import Group, run_reverse
 from modelgraft.conversion.ops import model_config
 from modelgraft.conversion.originals import _originals_bound
@@ -324,6 +325,9 @@ def original_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
     Raises:
         IrreversibleConversionError: a conversion of the model has an operation without ``reverse``
             (raised here, before anything is yielded).
+        ConversionError: a PEFT model whose adapters are not merged (``merge_adapter()`` first: a
+            PEFT model yields its base model's original names with the adapters merged, see
+            docs/conversion.md), or with ``modules_to_save``.
         ConversionError: a replaced module's weights that no conversion maps back to the original
             checkpoint's keys, or an original key nothing produces (before anything is yielded);
             ``model`` is not a ``torch.nn.Module``.
@@ -333,6 +337,18 @@ def original_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
             f"`original_state_dict` expects a `torch.nn.Module`, received `{type(model).__name__}`. "
             "Pass the model itself (for a DDP/FSDP1 wrapper, its `.module`)."
         )
+    base, restore = without_adapters(model)  # a PEFT model: its base, adapters merged (see _peft_sync)
+    if restore is None:
+        return _original_state_dict(base)
+    try:
+        pairs = _original_state_dict(base)
+    except BaseException:
+        restore()
+        raise
+    return restoring(pairs, restore)
+
+
+def _original_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     live = model.state_dict()
     units, revert = _prepare(model, live)
     return _stream(model, units, revert, live)

@@ -279,3 +279,34 @@ def test_an_adapter_of_the_plain_fused_experts_is_refused_on_linear_experts(
     assert not any(type(m).__module__.startswith("peft.") for m in grafted.modules())  # left as it was
     _same(_logits(grafted, "qwen3_moe"), before)
     assert isinstance(ExpertsAdapterError("x"), ValueError)
+
+
+# ---- issue 19, point 2: an expert adapter of a grafted model, loaded on the plain model -------------
+def test_an_expert_adapter_of_linear_experts_on_the_plain_model_is_exact_or_refused(
+    checkpoint, tmp_path: Path
+) -> None:
+    """On 4.57 the plain model has per-expert layers: the adapter loads with equal outputs. On 5.x it
+    holds fused 3D experts, where PEFT would drop 48 of the 60 tensors quietly: refused, naming the way."""
+    path = checkpoint("qwen2_moe")
+    graft = linear_experts("qwen2_moe")
+    model = get_peft_model(_load(path, graft), _lora(["gate_proj", "up_proj", "down_proj"]))
+    _randomize_lora(model)
+    adapted = _logits(model, "qwen2_moe")
+    model.save_pretrained(tmp_path)
+    assert any(".experts.0.gate_proj.lora_A" in k for k in _adapter_keys(tmp_path))
+    plain = _load(path)
+    if not any(
+        isinstance(m, torch.nn.ModuleList) for n, m in plain.named_modules() if n.endswith("mlp.experts")
+    ):
+        with pytest.raises(
+            ExpertsAdapterError,
+            match=r"per-expert layers \(\d+ of its 60 tensors.*Load it on the grafted model",
+        ):
+            PeftModel.from_pretrained(plain, tmp_path)
+    else:
+        _same(_logits(PeftModel.from_pretrained(plain, tmp_path).eval(), "qwen2_moe"), adapted)
+    # The grafted model takes it whole; merged there, the checkpoint loads on the plain model.
+    reloaded = PeftModel.from_pretrained(_load(path, graft), tmp_path).eval()
+    _same(_logits(reloaded, "qwen2_moe"), adapted)
+    reloaded.merge_and_unload().save_pretrained(tmp_path / "merged")
+    _same(_logits(_load(tmp_path / "merged"), "qwen2_moe"), adapted)

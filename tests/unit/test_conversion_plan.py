@@ -13,6 +13,8 @@ from safetensors.torch import save_file
 from modelgraft import (
     Chunk,
     Concatenate,
+    ConversionError,
+    ConversionOperation,
     ConversionShapeError,
     MergeModulelist,
     MissingSourceKeyError,
@@ -71,11 +73,20 @@ def test_partial_sources_raise_and_absent_sources_are_reported():
     assert plan.unsourced_targets == [(QKV, "l.0.qkv_proj.weight")]
 
 
-def test_first_converter_claiming_a_target_wins():
+def test_two_converters_building_the_same_target_from_the_checkpoint_are_an_overlap_error():
+    """Issue 19: not "the first one wins" (an accident of registration order)."""
     other = WeightConverter(["a", "b", "c"], "qkv_proj", [Concatenate(dim=0)])
     src = _src("l", {"q_proj.weight": (1, 1), "k_proj.weight": (1, 1), "v_proj.weight": (1, 1)})
     src.update(_src("l", {"a.weight": (1, 1), "b.weight": (1, 1), "c.weight": (1, 1)}))
-    assert [g.converter for g in plan_groups([other, QKV], ["l.qkv_proj.weight"], src).groups] == [other]
+    for order in ([other, QKV], [QKV, other]):
+        with pytest.raises(ConversionError, match=r"both build `l.qkv_proj.weight` from this checkpoint"):
+            plan_groups(order, ["l.qkv_proj.weight"], src)
+
+
+def test_an_alternative_layout_the_checkpoint_does_not_hold_is_no_overlap():
+    other = WeightConverter(["a", "b", "c"], "qkv_proj", [Concatenate(dim=0)])
+    src = _src("l", {"q_proj.weight": (1, 1), "k_proj.weight": (1, 1), "v_proj.weight": (1, 1)})
+    assert [g.converter for g in plan_groups([other, QKV], ["l.qkv_proj.weight"], src).groups] == [QKV]
 
 
 def test_renaming_round_trips():
@@ -148,3 +159,32 @@ def test_device_for_picks_the_longest_device_map_prefix():
     assert find("lm_head.weight") == "disk"  # passed on: the load step offloads it
     assert device_for_map(None)("x") == "cpu"
     assert device_for_map({"model": "cpu"})("lm_head.weight") == "cpu"  # no prefix matches
+
+
+# ---- issue 19: a user operation whose reverse is not its inverse is found at load --------------------
+class _Scale(ConversionOperation):
+    """A user operation: ``convert`` scales by 2; ``reverse`` undoes it, or not (``exact=False``)."""
+
+    def __init__(self, exact: bool) -> None:
+        self.exact = exact
+
+    def convert(self, tensors, context):
+        return [[t * 2 for t in g] for g in tensors]
+
+    def reverse(self, tensors, context):
+        return [[t / 2 if self.exact else t.clone() for t in g] for g in tensors]
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_user_reverse_that_is_not_the_inverse_is_refused_at_load(exact: bool) -> None:
+    conv = WeightConverter("w_old", "w_new", [_Scale(exact)])
+    [group] = plan_groups([conv], ["l.w_new.weight"], {"l.w_old.weight": S((2, 3))}).groups
+    loaded = torch.arange(6.0).reshape(2, 3)
+    if exact:
+        [[out]] = run_convert(group, [[loaded]], [[S((2, 3))]])
+        assert torch.equal(out, loaded * 2)
+        return
+    with pytest.raises(
+        ConversionError, match=r"the reverse of `_Scale` does not undo its convert on `l.w_old.weight`"
+    ):
+        run_convert(group, [[loaded]], [[S((2, 3))]])

@@ -24,7 +24,12 @@ from modelgraft.conversion._groups import Group, Plan
 from modelgraft.conversion.keys import are_segment_patterns, bucket_keys
 from modelgraft.conversion.ops import ConversionContext, ShapeGroups, TensorGroups
 from modelgraft.conversion.rules import WeightConverter
-from modelgraft.errors import ConversionShapeError, IrreversibleConversionError, MissingSourceKeyError
+from modelgraft.errors import (
+    ConversionError,
+    ConversionShapeError,
+    IrreversibleConversionError,
+    MissingSourceKeyError,
+)
 
 __all__ = ["Group", "Plan", "plan_groups", "run_convert", "run_reverse"]
 
@@ -60,10 +65,10 @@ def plan_groups(
         )
     plan = Plan()
     target_keys = list(target_keys)
-    taken: set[str] = set()
+    taken: dict[str, tuple[WeightConverter, str | None]] = {}  # target key -> converter, renamed-from key
     for conv in converters:
         assert are_segment_patterns(conv._targets) and are_segment_patterns(conv._sources)  # no `_hf` here
-        tgt_buckets = bucket_keys(conv._targets, (k for k in target_keys if k not in taken))
+        tgt_buckets = bucket_keys(conv._targets, target_keys)
         if not tgt_buckets:
             continue
         src_buckets = bucket_keys(conv._sources, source_shapes)
@@ -72,6 +77,22 @@ def plan_groups(
                 continue  # not every target pattern exists here: not this converter's layout
             sslots = src_buckets.get((prefix, suffix))
             targets = tuple(_ordered(s) for s in tslots)
+            claimed = next((k for keys in targets for k in keys if k in taken), None)
+            if claimed is not None:
+                if (
+                    sslots is not None
+                    and all(sslots)
+                    and not _same_renaming(taken[claimed], conv, claimed, targets, sslots)
+                ):
+                    # Two converters that would both build this parameter from the checkpoint: which one
+                    # fills it must not depend on their order.
+                    raise ConversionError(
+                        f"Converters {taken[claimed][0]!r} and {conv!r} both build `{claimed}` from this checkpoint: "
+                        "their patterns overlap, so which one fills it would depend on their order. Make the "
+                        "patterns disjoint (anchor them to the module path), or register one converter for "
+                        "these keys."
+                    )
+                continue
             if sslots is None or not any(sslots):
                 plan.unsourced_targets.extend((conv, k) for keys in targets for k in keys)
                 continue
@@ -91,8 +112,36 @@ def plan_groups(
             sources = tuple(_ordered(s) for s in sslots)
             shapes = [[torch.Size(source_shapes[k]) for k in keys] for keys in sources]
             plan.groups.append(Group(conv, sources, targets, shapes))
-            taken.update(k for keys in targets for k in keys)
+            renamed = _renamed_from(conv, targets, sources)
+            taken.update((k, (conv, renamed.get(k))) for keys in targets for k in keys)
     return plan
+
+
+def _renamed_from(
+    conv: WeightConverter, targets: tuple[tuple[str, ...], ...], sources: tuple[tuple[str, ...], ...]
+) -> dict[str, str]:
+    """For a pure renaming, the source key each target key is renamed from (empty otherwise)."""
+    if conv.operations or len(targets) != len(sources):
+        return {}
+    return {
+        t: s
+        for tkeys, skeys in zip(targets, sources)
+        if len(tkeys) == len(skeys)
+        for t, s in zip(tkeys, skeys)
+    }
+
+
+def _same_renaming(
+    previous: tuple[WeightConverter, str | None],
+    conv: WeightConverter,
+    claimed: str,
+    targets: tuple[tuple[str, ...], ...],
+    sslots: Sequence[dict[int | None, str]],
+) -> bool:
+    """Two renamings that move the same checkpoint key to the same parameter (a general rule and a
+    specific one in one table): the same result whichever runs, so no conflict."""
+    renamed = _renamed_from(conv, targets, tuple(_ordered(s) for s in sslots))
+    return previous[1] is not None and renamed.get(claimed) == previous[1]
 
 
 def run_convert(
@@ -121,7 +170,56 @@ def run_convert(
         except (RuntimeError, ValueError, IndexError, TypeError) as e:
             raise _operation_error(group, op, sources, target_shapes, name, e) from e
     _check_shapes(group, tensors, target_shapes, "load", name)
+    _check_user_reverse(group, sources, tensors, name)
     return tensors
+
+
+_CHECKED = "_modelgraft_reverse_checked"
+
+
+def _user_ops(group: Group) -> list[object]:
+    """Operations a user wrote (modelgraft's and transformers' own are tested as inverses)."""
+    from modelgraft.conversion._hf_ops import TransformersOperation
+
+    return [
+        op
+        for op in group.converter.operations
+        if not isinstance(op, TransformersOperation)
+        and not type(op).__module__.startswith(("modelgraft.", "transformers."))
+    ]
+
+
+def _check_user_reverse(
+    group: Group, sources: TensorGroups, converted: TensorGroups, name: Callable[[str], str]
+) -> None:
+    """Once per converter with a user operation: ``reverse(convert(x)) == x`` on the tensors being loaded.
+
+    A reverse that is not the inverse would otherwise surface only at save (a checkpoint that
+    differs from the one loaded) or never (weight sync sending other numbers).
+    """
+    converter = group.converter
+    if getattr(converter, _CHECKED, False) or not _user_ops(group):
+        return
+    if any(not op.is_reversible for op in converter.operations):
+        return  # irreversible: refused at save, where the way back is needed
+    if any(t.device.type == "meta" for g in [*sources, *converted] for t in g):
+        return  # no values to compare yet: checked on the first load with values
+    back = run_reverse(group, converted)
+    for keys, originals, returned in zip(group.sources, sources, back):
+        for key, original, got in zip(keys, originals, returned):
+            if got.shape != original.shape or got.dtype != original.dtype or not torch.equal(got, original):
+                ops = ", ".join(f"`{type(op).__name__}`" for op in _user_ops(group))
+                raise ConversionError(
+                    f"Converter {converter!r}: the reverse of {ops} does not undo its convert on `{name(key)}` "
+                    f"(convert then reverse gives {tuple(got.shape)} {got.dtype}, "
+                    f"{'other values' if got.shape == original.shape else 'another shape'}; loaded "
+                    f"{tuple(original.shape)} {original.dtype}). Saving and weight sync would write other weights "
+                    "than were loaded: make `reverse` the exact inverse of `convert`."
+                )
+    try:
+        setattr(converter, _CHECKED, True)
+    except (AttributeError, TypeError):  # a frozen converter: checked again next time, still correct
+        pass
 
 
 def _operation_error(

@@ -25,6 +25,7 @@ from modelgraft.errors import (
     UnsupportedFamilyError,
 )
 from modelgraft.graft import Graft
+from modelgraft.grafts import _peft
 from modelgraft.grafts._fused import FusedSlice, FusionError
 from modelgraft.grafts.chunked_loss import (
     CHUNKED_LM_LOSS_FAMILIES,
@@ -68,3 +69,7 @@ __all__ = [
     "linear_experts",
     "linear_experts_class",
 ]
+
+# PEFT's adjustments (and the refusal of adapters PEFT would load incompletely) are in place as soon
+# as modelgraft's grafts are imported, also in a process that only loads a plain model.
+_peft.ensure_installed()

@@ -16,8 +16,13 @@ grafted modules (any other model sees PEFT unchanged):
   (renamings such as Mixtral's ``block_sparse_moe`` -> ``mlp`` still apply; so does the
   conversion of the router, which stays transformers 5's).
 
-The adjustments are wrappers around four PEFT functions, installed when PEFT's modules are
-imported (a post-import hook that watches those two module names only) or at once when they
+* An adapter trained on such a grafted model names per-expert layers (``experts.0.gate_proj``);
+  on transformers 5 the plain model has none, and PEFT would drop those tensors without a word.
+  Loading it on a model without grafted experts is refused (:class:`ExpertsAdapterError`), saying
+  to load it on the grafted model, or to merge it there and save the merged checkpoint.
+
+The adjustments are wrappers around five PEFT functions, installed when PEFT's modules are
+imported (a post-import hook that watches those three module names only) or at once when they
 already are, the first time a grafted module is built. Nothing imports PEFT.
 
 Example:
@@ -31,6 +36,7 @@ from __future__ import annotations
 import copy
 import importlib.abc
 import importlib.machinery
+import re
 import sys
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -178,7 +184,49 @@ def _merges_experts(conversion: Any) -> bool:
     return any(type(op).__name__ == "MergeModulelist" for op in getattr(conversion, "operations", ()))
 
 
+_EXPERT_KEY = re.compile(r"\.experts\.\d+\.[A-Za-z_]\w*\.lora_")
+
+
+def _state_dict_check(original: Callable[..., Any]) -> Callable[..., Any]:
+    def set_peft_model_state_dict(
+        model: nn.Module, peft_model_state_dict: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        _refuse_dropped_expert_adapters(model, peft_model_state_dict)
+        return original(model, peft_model_state_dict, *args, **kwargs)
+
+    return set_peft_model_state_dict
+
+
+def _refuse_dropped_expert_adapters(model: nn.Module, state: Any) -> None:
+    """Refuse an adapter of per-expert layers (``experts.<i>.gate_proj``) on a model that has none.
+
+    Such an adapter was trained on a model grafted with ``linear_experts``; on transformers 5 the
+    plain model holds fused 3D experts, and PEFT would drop every expert tensor without a word.
+    """
+    if not isinstance(state, dict) or _grafted_expert_names(model):
+        return
+    keys = [k for k in state if isinstance(k, str) and _EXPERT_KEY.search(k)]
+    if not keys:
+        return
+    modules = {name for name, _ in model.named_modules()}
+    missing = [
+        k
+        for k in keys
+        if not any(m.endswith(k.split(".lora_")[0].removeprefix("base_model.model.")) for m in modules)
+    ]
+    if missing:
+        raise ExpertsAdapterError(
+            f"The adapter holds LoRA weights of per-expert layers ({len(missing)} of its {len(state)} tensors, e.g. "
+            f"`{missing[0]}`) that this model does not have: it was trained on a model grafted with "
+            "`linear_experts`, and this model keeps transformers 5's fused 3D experts, so PEFT would drop them "
+            "without a word. Load it on the grafted model (`graft_model(model, linear_experts(model_type))`, or "
+            "load under `linear_experts(model_type).applied()`), or merge it there (`merge_and_unload()`) and save "
+            "the merged checkpoint, which loads on the plain model."
+        )
+
+
 _PATCHES: dict[str, tuple[tuple[str, Callable[..., Callable[..., Any]]], ...]] = {
+    "peft.peft_model": (("set_peft_model_state_dict", lambda f, m: _state_dict_check(f)),),
     "peft.tuners.tuners_utils": (("_maybe_include_all_linear_layers", lambda f, m: _all_linear(f)),),
     "peft.utils.transformers_weight_conversion": (
         ("_convert_peft_config_moe", _moe_config),

@@ -48,6 +48,8 @@ def compact_dtype(num_experts: int, *, signed: bool = False) -> torch.dtype:
         >>> compact_dtype(128), compact_dtype(128, signed=True), compact_dtype(512), compact_dtype(40000)
         (torch.uint8, torch.int16, torch.int16, torch.int32)
     """
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise RoutingError(f"`num_experts` must be a positive integer; got `{num_experts!r}`.")
     if not signed and num_experts <= 256:
         return torch.uint8
     if num_experts <= 32768:
@@ -78,7 +80,8 @@ def missing_rows(tensor: torch.Tensor, where: str) -> torch.Tensor | None:
     """Rows of ``tensor`` that are all ``-1`` (no route), or ``None`` when there are none.
 
     Raises:
-        RoutingError: a row mixes ``-1`` with expert ids (no engine writes that), naming ``where``.
+        RoutingError: a row mixes ``-1`` with expert ids (no engine writes that), or holds a negative
+            id other than ``-1``, naming ``where``.
 
     Example:
         >>> missing_rows(torch.tensor([[1, 2], [-1, -1]]), "layer `0`").tolist()
@@ -86,6 +89,13 @@ def missing_rows(tensor: torch.Tensor, where: str) -> torch.Tensor | None:
     """
     if not tensor.numel() or not tensor.dtype.is_signed:
         return None
+    other = (tensor < -1).any(-1)
+    if bool(other.any()):
+        row = int(other.nonzero()[0, 0])
+        raise RoutingError(
+            f"Routing for {where} has row {row} = {tensor[row].tolist()}: only -1 marks a token without a route; "
+            "other negative ids are no expert. Fix the routing data."
+        )
     negative = tensor < 0
     rows = negative.all(-1)
     partial = negative.any(-1) & ~rows

@@ -35,9 +35,16 @@ Example:
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from modelgraft.errors import RoutingError
@@ -61,7 +68,6 @@ class _Site:
         self.candidates = 0  # per forward call: top-k calls shaped like the selection
         self.pending: torch.Tensor | None = None  # per forward call (record): the last candidate's indices
         self.groups: tuple[int, int, torch.Tensor] | None = None  # per call (replay): kept, groups, spread
-        self.previous_forward: Any = None  # an instance-level forward found when hooking
 
 
 class _SelectionMode(TorchFunctionMode):
@@ -215,57 +221,154 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def hook_scope(site: _Site) -> None:
-    """Make ``site``'s scope module run its forward under a selection mode.
+# ---- which record/replay blocks a forward belongs to ------------------------------------------------
+# The hooks act per block, not per model: a block activates its sites in the ContextVar of the thread
+# or task that entered it, so a forward of the same model in another thread or task runs plainly (and
+# is not recorded). A scope module gets one dispatching `forward` while any block (or a recompute bound
+# to one) uses it; the dispatcher reads the caller's context to find the site, if any.
+_ACTIVE: ContextVar[dict[int, _Site]] = ContextVar("modelgraft_moe_sites", default={})  # noqa: B039  # never mutated
+_BOUND: ContextVar[bool] = ContextVar("modelgraft_moe_bound_recompute", default=False)
+_LOCK = threading.Lock()
 
-    An instance-level ``forward`` already there (accelerate hooks put one) is wrapped and put back by
-    :func:`unhook_scope`; only a second record/replay on the same module is refused.
+
+@dataclass
+class _Users:
+    """The blocks (and bound recomputes) using one scope module's dispatcher."""
+
+    sites: list[_Site]
+    previous: Any  # the instance-level forward found when installing (accelerate hooks put one), or None
+
+
+_USERS: weakref.WeakKeyDictionary[nn.Module, _Users] = weakref.WeakKeyDictionary()
+
+
+def active_sites() -> dict[int, _Site]:
+    """The sites active in the caller's thread or task, by ``id`` of their scope module."""
+    return _ACTIVE.get()
+
+
+def _acquire(site: _Site) -> None:
+    scope = site.layer.scope
+    with _LOCK:
+        users = _USERS.get(scope)
+        if users is None:
+            users = _USERS[scope] = _Users([], scope.__dict__.get("forward"))
+            scope.forward = _dispatcher(scope, scope.forward)
+        users.sites.append(site)
+
+
+def _release(site: _Site) -> None:
+    scope = site.layer.scope
+    with _LOCK:
+        users = _USERS.get(scope)
+        if users is None or not any(s is site for s in users.sites):
+            return
+        users.sites.remove(next(s for s in users.sites if s is site))
+        if users.sites:
+            return
+        del _USERS[scope]
+        if getattr(scope.__dict__.get("forward"), "_modelgraft_moe_dispatch", False):
+            if users.previous is None:
+                del scope.__dict__["forward"]
+            else:
+                scope.forward = users.previous
+
+
+def _dispatcher(scope: nn.Module, original: Any) -> Any:
+    @torch.compiler.disable  # type: ignore[untyped-decorator]  # untyped in torch
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        site = _ACTIVE.get().get(id(scope))
+        if site is None:
+            if in_backward() and not _BOUND.get():
+                _refuse_unbound_recompute(scope)
+            return original(*args, **kwargs)
+        return _run(site, original, args, kwargs)
+
+    forward._modelgraft_moe_dispatch = True
+    return forward
+
+
+def _refuse_unbound_recompute(scope: nn.Module) -> None:
+    """A recompute outside every block's context while a replay block forces this layer elsewhere."""
+    with _LOCK:
+        users = _USERS.get(scope)
+        replays = [s for s in users.sites if s.recorded is None] if users is not None else []
+    if replays:
+        raise RoutingError(
+            f"MoE layer `{replays[0].layer.name}` is recomputed during backward (gradient checkpointing) in a "
+            "thread or task that is not its `replay_routing` block's, by a checkpoint function modelgraft does "
+            "not bind, so it cannot tell whether the forward being recomputed was replayed. Enable checkpointing "
+            "with `model.gradient_checkpointing_enable()` (its recomputes keep the routes of their forward), or "
+            "run the backward in the block's thread."
+        )
+
+
+def _run(site: _Site, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if site.guard is not None:
+        site.guard(site)
+    site.candidates, site.pending, site.groups = 0, None, None
+    with _SelectionMode(site):
+        out = original(*args, **kwargs)
+    layer = site.layer
+    if not site.candidates:
+        raise RoutingError(
+            f"MoE layer `{layer.name}` ({type(layer.router).__name__}) ran without a top-k "
+            f"over its {layer.num_experts} experts with k={layer.top_k}; this family "
+            "selects experts another way and cannot be recorded or replayed."
+        )
+    if not extra_candidates_harmless(layer, site.candidates):
+        raise RoutingError(
+            f"MoE layer `{layer.name}` ({type(layer.router).__name__}) ran {site.candidates} top-k calls "
+            f"over its {layer.num_experts} experts with k={layer.top_k}; modelgraft cannot tell which one "
+            "selects the experts, so it cannot record or replay this layer exactly."
+        )
+    if site.recorded is not None and site.pending is not None and not in_backward():
+        site.recorded.append(site.pending.detach().reshape(-1, layer.top_k).clone())
+    return out
+
+
+def hook_scope(site: _Site) -> None:
+    """Make ``site``'s scope module run its forward under a selection mode, in the caller's thread or task.
+
+    Forwards of the module from another thread or task run plainly. Only a second record/replay of
+    the same module in the same thread or task is refused.
     """
     scope = site.layer.scope
-    existing = scope.__dict__.get("forward")
-    if getattr(existing, "_modelgraft_moe_site", None) is not None:
+    active = _ACTIVE.get()
+    if id(scope) in active:
         raise RoutingError(
             f"MoE layer `{site.layer.name}` is already being recorded or replayed; nested "
             "record/replay blocks on one model are not supported."
         )
-    original = scope.forward
-
-    @torch.compiler.disable  # type: ignore[untyped-decorator]  # untyped in torch
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if site.guard is not None:
-            site.guard(site)
-        site.candidates, site.pending, site.groups = 0, None, None
-        with _SelectionMode(site):
-            out = original(*args, **kwargs)
-        layer = site.layer
-        if not site.candidates:
-            raise RoutingError(
-                f"MoE layer `{layer.name}` ({type(layer.router).__name__}) ran without a top-k "
-                f"over its {layer.num_experts} experts with k={layer.top_k}; this family "
-                "selects experts another way and cannot be recorded or replayed."
-            )
-        if not extra_candidates_harmless(layer, site.candidates):
-            raise RoutingError(
-                f"MoE layer `{layer.name}` ({type(layer.router).__name__}) ran {site.candidates} top-k calls "
-                f"over its {layer.num_experts} experts with k={layer.top_k}; modelgraft cannot tell which one "
-                "selects the experts, so it cannot record or replay this layer exactly."
-            )
-        if site.recorded is not None and site.pending is not None and not in_backward():
-            site.recorded.append(site.pending.detach().reshape(-1, layer.top_k).clone())
-        return out
-
-    forward._modelgraft_moe_site = site
-    site.previous_forward = existing
-    scope.forward = forward
+    _acquire(site)
+    _ACTIVE.set({**active, id(scope): site})
 
 
 def unhook_scope(site: _Site) -> None:
     """Undo :func:`hook_scope` (safe to call twice, and for a site never hooked)."""
     scope = site.layer.scope
-    current = scope.__dict__.get("forward")
-    if getattr(current, "_modelgraft_moe_site", None) is not site:
-        return
-    if site.previous_forward is None:
-        del scope.__dict__["forward"]
-    else:
-        scope.forward = site.previous_forward
+    active = _ACTIVE.get()
+    if active.get(id(scope)) is site:
+        _ACTIVE.set({key: value for key, value in active.items() if key != id(scope)})
+    _release(site)
+
+
+@contextmanager
+def activated(sites: dict[int, _Site]) -> Iterator[None]:
+    """Run with exactly ``sites`` active (a checkpointed forward's recompute: the sites of its forward).
+
+    The scope modules keep their dispatcher while it runs, also after the blocks of those sites ended.
+    """
+    held = list(sites.values())
+    for site in held:
+        _acquire(site)
+    previous, bound = _ACTIVE.get(), _BOUND.get()
+    _ACTIVE.set(sites)
+    _BOUND.set(True)
+    try:
+        yield
+    finally:
+        _ACTIVE.set(previous)
+        _BOUND.set(bound)
+        for site in held:
+            _release(site)

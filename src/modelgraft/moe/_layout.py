@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 from modelgraft.errors import RoutingError
-from modelgraft.moe._intercept import _Site
+from modelgraft.moe._intercept import _Site, active_sites
 
-__all__ = ["ForwardLog"]
+__all__ = ["ForwardLog", "input_shape", "past_length"]
 
 
 @dataclass
@@ -60,7 +60,7 @@ class _Session:
     length: int = 0
 
 
-def _input_shape(args: tuple[Any, ...], kwargs: dict[Any, Any]) -> tuple[int | None, int | None]:
+def input_shape(args: tuple[Any, ...], kwargs: dict[Any, Any]) -> tuple[int | None, int | None]:
     tensor = kwargs.get("input_ids")
     if tensor is None:
         tensor = kwargs.get("inputs_embeds")
@@ -71,7 +71,7 @@ def _input_shape(args: tuple[Any, ...], kwargs: dict[Any, Any]) -> tuple[int | N
     return int(tensor.shape[0]), int(tensor.shape[1])
 
 
-def _past_length(kwargs: dict[Any, Any]) -> int:
+def past_length(kwargs: dict[Any, Any]) -> int:
     """Cache position the forward starts at: tokens already in the KV cache it was given."""
     position = kwargs.get("cache_position")
     if isinstance(position, torch.Tensor) and position.numel():
@@ -129,12 +129,19 @@ class ForwardLog:
                 self.model.generate = self._generate_before
             self._wrapped = False
 
+    def _owned(self) -> bool:
+        """Whether the caller runs in the block's thread or task (another's forwards are not logged)."""
+        site = self.sites[0]
+        return active_sites().get(id(site.layer.scope)) is site
+
     def _recorded(self) -> list[int]:
         return [len(site.recorded or ()) for site in self.sites]
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[Any, Any]) -> None:
-        batch, seq = _input_shape(args, kwargs)
-        forward = _Forward(len(self.forwards) + 1, batch, seq, _past_length(kwargs), self._recorded())
+        if not self._owned():
+            return
+        batch, seq = input_shape(args, kwargs)
+        forward = _Forward(len(self.forwards) + 1, batch, seq, past_length(kwargs), self._recorded())
         if forward.past == 0:
             self.sessions.append(_Session(batch))
         else:
@@ -145,6 +152,8 @@ class ForwardLog:
         self.forwards.append(forward)
 
     def _post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[Any, Any], output: Any) -> None:
+        if not self._owned():
+            return
         if self.forwards and self.forwards[-1].ends is None:
             self.forwards[-1].ends = self._recorded()
 
@@ -178,6 +187,8 @@ class ForwardLog:
         original = generating.generate
 
         def generate(*args: Any, **kwargs: Any) -> Any:
+            if not self._owned():  # another thread's or task's generate: plain
+                return original(*args, **kwargs)
             _refuse_generation_mode(model, kwargs)
             first = len(self.forwards)
             out = original(*args, **kwargs)

@@ -121,6 +121,10 @@ def decode_npy(payload: str | bytes, where: str) -> torch.Tensor:
         descr, fortran, shape = header["descr"], header["fortran_order"], tuple(header["shape"])
     except (ValueError, SyntaxError, KeyError, TypeError, UnicodeDecodeError, MemoryError, RecursionError):
         raise RoutingError(f"The `.npy` routes of {where} have a header that cannot be read.") from None
+    if not isinstance(fortran, bool):
+        raise RoutingError(
+            f"The `.npy` routes of {where} have `fortran_order` {fortran!r} in their header; expected True or False."
+        )
     dtype = _NPY_DTYPES.get(descr) if isinstance(descr, str) else None
     if dtype is None:
         raise RoutingError(

@@ -32,8 +32,8 @@ from torch import nn
 
 from modelgraft.errors import RoutingError
 from modelgraft.moe._ids import missing_rows
-from modelgraft.moe._intercept import _Site, in_backward
-from modelgraft.moe.trace import RoutingTrace
+from modelgraft.moe._intercept import _Site, activated, active_sites, in_backward
+from modelgraft.moe.trace import RoutingTrace, _id_list
 
 __all__ = ["ReplaySession"]
 
@@ -55,6 +55,44 @@ def rows_of(tensors: Sequence[torch.Tensor], batch_size: int | None, live_ok: bo
     return _Rows(list(tensors), live, batch_size)
 
 
+def _micro_batch_mask(
+    mask: torch.Tensor, ids: tuple[int, ...], trace: RoutingTrace, mask_of: str
+) -> torch.Tensor:
+    """The mask of the micro-batch's sequences, row ``j`` for ``ids[j]``, from either kind of mask."""
+    if mask_of not in ("auto", "rollout", "micro_batch"):
+        raise RoutingError(f"`mask_of` must be 'auto', 'rollout' or 'micro_batch'; got `{mask_of!r}`.")
+    batch = trace.batch_size
+    if mask.dim() != 2:
+        raise RoutingError(f"`attention_mask` must be (batch, seq); got shape {tuple(mask.shape)}.")
+    rows = mask.shape[0]
+    if mask_of == "auto":
+        if rows == batch and rows != len(ids):
+            mask_of = "rollout"
+        elif rows == len(ids) and rows != batch:
+            mask_of = "micro_batch"
+        elif rows == batch and torch.equal(mask[list(ids)], mask):
+            mask_of = "micro_batch"  # both readings give the same mask
+        elif rows == batch:
+            raise RoutingError(
+                f"`attention_mask` has {rows} rows: it can be the rollout batch's mask (row i for sequence i) or "
+                f"this micro-batch's (row j for sample_ids[j] of {list(ids)[:8]}), and the two readings give "
+                "other masks. Pass `mask_of='rollout'` or `mask_of='micro_batch'`."
+            )
+    expected = batch if mask_of == "rollout" else len(ids)
+    if rows != expected:
+        raise RoutingError(
+            f"`attention_mask` has {rows} rows but "
+            + (
+                f"the rollout batch holds {batch} sequences"
+                if mask_of == "rollout"
+                else f"the micro-batch holds {len(ids)} sequences"
+            )
+            + f" (mask_of={mask_of!r}); pass the rollout batch's mask ({batch} rows) or the micro-batch's "
+            f"({len(ids)} rows)."
+        )
+    return mask[list(ids)] if mask_of == "rollout" else mask
+
+
 class ReplaySession:
     """What ``replay_routing`` yields: the replayed trace, and micro-batches of it.
 
@@ -70,12 +108,14 @@ class ReplaySession:
         self._whole = whole
         self._active: _Rows | None = None
         self._in_block = False
+        self._closed = False
         self._used_micro_batches = False
         self._used_samples: set[int] = set()
         self._wrapped: list[tuple[nn.Module, Any]] = []
         self._set(whole)
         for site in sites:
             site.guard = self._guard
+        self._bind_checkpointing()
 
     # ---- what the sites force -----------------------------------------------------------------
     def _set(self, rows: _Rows) -> None:
@@ -114,12 +154,20 @@ class ReplaySession:
             self._wrapped.append((module, original))
 
     def _bound(self, checkpoint: Any) -> Any:
+        # The function checkpointed runs, in the forward and again in the recompute, with the sites
+        # and rows of the forward: the recompute also keeps the forced routes after the block ended, in
+        # autograd's worker threads, and stays plain for a forward that ran outside the block.
         def bound(function: Any, *args: Any, **kwargs: Any) -> Any:
+            sites = active_sites()
+            mine = any(sites.get(id(site.layer.scope)) is site for site in self._sites)
             rows = self._active
 
             def run(*inner: Any, **named: Any) -> Any:
-                with self._use(rows):
-                    return function(*inner, **named)
+                with activated(sites):
+                    if not mine:
+                        return function(*inner, **named)
+                    with self._use(rows):
+                        return function(*inner, **named)
 
             return checkpoint(run, *args, **kwargs)
 
@@ -135,6 +183,7 @@ class ReplaySession:
             ):
                 module._gradient_checkpointing_func = original
         self._wrapped.clear()
+        self._closed = True
         for site in self._sites:
             site.guard = None
 
@@ -147,7 +196,11 @@ class ReplaySession:
     # ---- the public part ----------------------------------------------------------------------
     @contextmanager
     def micro_batch(
-        self, sample_ids: Sequence[int], *, attention_mask: torch.Tensor | None = None
+        self,
+        sample_ids: Sequence[int],
+        *,
+        attention_mask: torch.Tensor | None = None,
+        mask_of: str = "auto",
     ) -> Iterator[RoutingTrace]:
         """Make the forwards inside the block use the rows of the sequences ``sample_ids``.
 
@@ -156,31 +209,36 @@ class ReplaySession:
                 micro-batch holds them.
             attention_mask: for a *packed* micro-batch (one row, the sequences' real tokens one after
                 the other, as TRL's padding-free collator and verl's remove-padding lay them out): the
-                mask of the rollout batch (``(batch, seq)``) or of these sequences (``(len(sample_ids),
-                seq)``). Without it the micro-batch keeps the padded layout of the trace.
+                mask of the rollout batch (``(batch, seq)``, row ``i`` for sequence ``i``) or of these
+                sequences (``(len(sample_ids), seq)``, row ``j`` for ``sample_ids[j]``). Without it the
+                micro-batch keeps the padded layout of the trace.
+            mask_of: which of the two ``attention_mask`` is: ``"rollout"``, ``"micro_batch"``, or
+                ``"auto"`` (by its row count; when both counts are equal and the two readings give other
+                masks, the call is refused and asks for ``mask_of``).
 
         Yields:
             The micro-batch's trace (what its forwards replay).
 
         Raises:
             RoutingError: the trace has no batch layout, a sample id out of range, a mask of another
-                shape, or a micro-batch block inside another.
+                shape or one that could be either mask, a micro-batch block inside another, or the
+                ``replay_routing`` block has ended.
         """
+        if self._closed:
+            raise RoutingError(
+                "This `micro_batch` belongs to a `replay_routing` block that has ended, so its forwards would run "
+                "with the live router; call `micro_batch` inside the `with replay_routing(...) as session:` block."
+            )
         if self.trace is None:
             raise RoutingError(
                 "Micro-batches need a RoutingTrace with a batch layout; `replay_routing` was given a list of tensors."
             )
         if self._in_block:
             raise RoutingError("A `micro_batch` block is already active; micro-batch blocks do not nest.")
-        part = self.trace.select(sample_ids)
-        ids = tuple(
-            int(i) for i in (sample_ids.tolist() if isinstance(sample_ids, torch.Tensor) else sample_ids)
-        )
+        ids = tuple(_id_list(sample_ids, "sample_ids"))
+        part = self.trace.select(ids)
         if attention_mask is not None:
-            mask = torch.as_tensor(attention_mask)
-            if mask.dim() == 2 and mask.shape[0] == self.trace.batch_size and len(ids) != mask.shape[0]:
-                mask = mask[list(ids)]
-            part = part.pack(mask)
+            part = part.pack(_micro_batch_mask(torch.as_tensor(attention_mask), ids, self.trace, mask_of))
         rows = rows_of(part.layers, part.batch_size, self.trace.missing == "live")
         rows.samples, rows.trace = ids, part
         self._bind_checkpointing()

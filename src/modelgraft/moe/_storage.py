@@ -48,6 +48,9 @@ def _payload(trace: RoutingTrace) -> tuple[dict[str, torch.Tensor], dict[str, st
         "num_experts": json.dumps(trace.num_experts),
         "model_type": json.dumps(trace.model_type),
         "batch_size": json.dumps(trace.batch_size),
+        # Positions per sequence: with `batch_size` it fixes the row count, so a `batch_size` edited
+        # into another divisor of the rows is caught at load.
+        "seq_len": json.dumps(trace.seq_len),
         "missing": json.dumps(trace.missing),
     }
     return tensors, meta
@@ -55,10 +58,23 @@ def _payload(trace: RoutingTrace) -> tuple[dict[str, torch.Tensor], dict[str, st
 
 def save_trace(trace: RoutingTrace, path: str | os.PathLike[str]) -> None:
     """Write ``trace`` to ``path`` (see :meth:`RoutingTrace.save`)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     tensors, meta = _payload(trace)
-    save_file(tensors, os.fspath(path), metadata=meta)
+    try:
+        save_file(tensors, os.fspath(path), metadata=meta)
+    except (
+        SafetensorError,
+        OSError,
+        RuntimeError,
+        ValueError,
+        TypeError,
+    ) as exc:  # safetensors reports I/O as its own error
+        raise RoutingError(
+            f"Cannot write the routing trace to `{path}` ({type(exc).__name__}: {exc}); pass a path in an existing, "
+            "writable directory."
+        ) from exc
 
 
 def trace_bytes(trace: RoutingTrace) -> bytes:
@@ -127,6 +143,21 @@ def _read(
     expected = [f"layer.{i}" for i in range(len(fields["layer_ids"]))]
     _check_names(path, names, expected)
     layers = [_read_layer(path, name, get(name), fields) for name in expected]
+    seq_len = fields.pop("seq_len")
+    batch = fields["batch_size"]
+    if seq_len is not None or batch is not None:
+        if seq_len is None and "seq_len" in meta:
+            raise RoutingError(
+                f"`{path}`: metadata `batch_size` is {batch} but `seq_len` is null; the file was changed after "
+                "`RoutingTrace.save` wrote it."
+            )
+        for name, tensor in zip(expected, layers):
+            if seq_len is not None and (batch is None or tensor.shape[0] != batch * seq_len):
+                raise RoutingError(
+                    f"`{path}`: metadata `batch_size` {batch} and `seq_len` {seq_len} describe "
+                    f"{(batch or 0) * seq_len} rows but tensor `{name}` has {tensor.shape[0]}; the file was changed "
+                    "after `RoutingTrace.save` wrote it."
+                )
     return {"layers": layers, **fields}
 
 
@@ -157,6 +188,7 @@ def _read_metadata(path: Any, meta: dict[str, str]) -> dict[str, Any]:
         "model_type": _json_field(path, meta, "model_type"),
         "layer_names": _json_field(path, meta, "layer_names", "[]"),
         "batch_size": _json_field(path, meta, "batch_size", "null"),
+        "seq_len": _json_field(path, meta, "seq_len", "null"),
         "missing": _json_field(path, meta, "missing", '"refuse"'),
     }
     ids = fields["layer_ids"]
@@ -164,7 +196,7 @@ def _read_metadata(path: Any, meta: dict[str, str]) -> dict[str, Any]:
         raise RoutingError(
             f"`{path}`: metadata `layer_ids` must be a list of non-negative integers; got {json.dumps(ids)[:80]}."
         )
-    for key in ("top_k", "num_experts", "batch_size"):
+    for key in ("top_k", "num_experts", "batch_size", "seq_len"):
         value = fields[key]
         if value is not None and not (_is_int(value) and value > 0):
             raise RoutingError(

@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -135,8 +136,8 @@ def _check_range(
     if not rows.numel():
         return
     bad = (rows < 0) | (rows >= num_experts)
-    if live:
-        bad &= ~(rows < 0).all(-1, keepdim=True)
+    if live:  # whole rows of -1 only: -2 or any other negative id is no expert
+        bad &= ~(rows == -1).all(-1, keepdim=True)
     if bool(bad.any()):
         token, layer, slot = (int(i) for i in bad.nonzero()[0])
         lid = layer_ids[layer] if layer_ids is not None else layer
@@ -326,6 +327,7 @@ def _assemble(
         if mapping is not None:
             rows = mapping.apply(rows, request.name)
         selected.append(rows)
+    _refuse_uncaptured_layers(selected, ids)
     if not allow_all_zero:
         _refuse_all_zero_layers(selected, ids)
     exempt = _all_zero_layers(selected) if allow_all_zero else None
@@ -449,7 +451,17 @@ class _ExpertMap:
                     f"{name.capitalize()} routes token {token} of decoder layer `{self.ids[j]}` to physical expert "
                     f"{physical}, but the physical-to-logical map of that layer has {table.shape[0]} entries."
                 )
-            out[routed, j] = table[values]
+            mapped = table[values]
+            if bool((mapped < 0).any()):
+                bad = (mapped < 0).any(-1)
+                token = int(routed.nonzero().squeeze(1)[int(bad.nonzero()[0, 0])])
+                physical = int(values[bad][0][(mapped[bad][0] < 0).nonzero()[0, 0]])
+                raise RoutingError(
+                    f"{name.capitalize()} routes token {token} of decoder layer `{self.ids[j]}` to physical expert "
+                    f"{physical}, which `expert_map` maps to {int(table[physical])} (no logical expert): a missing "
+                    "route, not an expert. Fix the map, or send the route as a -1 row with `missing='live'`."
+                )
+            out[routed, j] = mapped
         return out
 
 
@@ -459,6 +471,21 @@ def _all_zero_layers(requests: list[torch.Tensor]) -> torch.Tensor:
     if not rows:
         return torch.zeros(0, dtype=torch.bool)
     return ~torch.stack([(arr > 0).any(-1).any(0) for arr in rows]).any(0)
+
+
+def _refuse_uncaptured_layers(requests: list[torch.Tensor], ids: list[int]) -> None:
+    """An MoE layer with no route in any request (every row -1), whatever the ``missing`` policy."""
+    rows = [arr for arr in requests if arr.shape[0]]
+    if not rows:
+        return
+    routed = torch.stack([(arr >= 0).any(-1).any(0) for arr in rows]).any(0)  # per layer
+    if not bool(routed.all()):
+        layer = ids[int((~routed).nonzero()[0, 0])]
+        raise RoutingError(
+            f"MoE layer `{layer}` has no route in any request (every row is -1, or maps to -1 through "
+            "`expert_map`): the engine did not capture that layer (e.g. another pipeline stage's). Capture it; "
+            "`missing='live'` lets the router choose some tokens, not a whole layer."
+        )
 
 
 def _refuse_all_zero_layers(requests: list[torch.Tensor], ids: list[int]) -> None:
@@ -568,6 +595,16 @@ def _select_layers(
 def _mask(
     attention_mask: torch.Tensor | None, input_lengths: Sequence[int] | None, padding_side: str, batch: int
 ) -> torch.Tensor:
+    if input_lengths is not None:
+        input_lengths = list(input_lengths)
+        bad = [
+            n for n in input_lengths if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0
+        ]
+        if bad:
+            raise RoutingError(
+                f"`input_lengths` must hold non-negative token counts, one per request; got {bad[0]!r} in "
+                f"{input_lengths[:8]}."
+            )
     if attention_mask is not None:
         mask = torch.as_tensor(attention_mask).bool()
         if mask.dim() != 2 or mask.shape[0] != batch:
@@ -575,6 +612,16 @@ def _mask(
                 f"`attention_mask` must be (batch, seq) with one row per request ({batch}, completions of a "
                 f"request counted one by one); got shape {tuple(mask.shape)}."
             )
+        if input_lengths is not None:
+            counts = mask.sum(-1).tolist()
+            if len(input_lengths) != batch or counts != [int(n) for n in input_lengths]:
+                row = next((i for i, (a, b) in enumerate(zip(counts, input_lengths)) if a != b), 0)
+                raise RoutingError(
+                    f"`attention_mask` and `input_lengths` disagree: mask row {row} has "
+                    f"{counts[row] if row < len(counts) else '?'} real tokens, `input_lengths` says "
+                    f"{input_lengths[row] if row < len(input_lengths) else 'nothing'}. Pass one of them (the mask of "
+                    "the training batch)."
+                )
         return mask
     if input_lengths is None:
         raise RoutingError(

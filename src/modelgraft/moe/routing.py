@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,9 +35,9 @@ from torch import nn
 from modelgraft.errors import RoutingError
 from modelgraft.moe._discovery import MoELayer
 from modelgraft.moe._ids import compact_dtype, is_id_dtype, missing_rows, widen
-from modelgraft.moe._intercept import _Site, hook_scope, unhook_scope
+from modelgraft.moe._intercept import _Site, active_sites, hook_scope, in_backward, unhook_scope
 from modelgraft.moe._layers import moe_layers
-from modelgraft.moe._layout import ForwardLog
+from modelgraft.moe._layout import ForwardLog, input_shape, past_length
 from modelgraft.moe._packed import guard_packed_forwards
 from modelgraft.moe._session import ReplaySession, rows_of
 from modelgraft.moe.trace import RoutingTrace
@@ -209,6 +210,27 @@ def _refuse_unreal_routes(layer: MoELayer, tensor: torch.Tensor, allow_all_zero:
         )
 
 
+def _batch_guard(session: ReplaySession, site: _Site) -> Any:
+    """A pre-hook refusing a fresh forward whose batch is not the trace's (``(3, 4)`` tokens against a
+    trace of 2 sequences of 6 have the same 12 rows, in another layout)."""
+
+    def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if active_sites().get(id(site.layer.scope)) is not site or in_backward():
+            return  # another thread's forward, or a recompute
+        rows = session._active or session._whole
+        batch, seq = input_shape(args, kwargs)
+        if rows.batch_size is None or batch is None or batch == rows.batch_size or past_length(kwargs):
+            return
+        total = int(rows.forced[0].shape[0]) if rows.forced else 0
+        raise RoutingError(
+            f"The replayed routing lays out {rows.batch_size} sequences of {total // rows.batch_size} positions, but "
+            f"this forward of `{type(module).__name__}` has {batch} sequences of {seq}: the rows would go to other "
+            "tokens. Forward the batch the routing was recorded on (or `session.micro_batch(ids)` of it)."
+        )
+
+    return pre
+
+
 @contextmanager
 def replay_routing(
     model: nn.Module,
@@ -263,10 +285,12 @@ def replay_routing(
     if isinstance(routing, RoutingTrace) and missing != routing.missing:
         session.trace = routing._copy(list(routing.layers), routing.batch_size, missing=missing)
     packed_guard = guard_packed_forwards(model)
+    guard = model.register_forward_pre_hook(_batch_guard(session, sites[0]), with_kwargs=True)
     try:
         with _hooked(sites):
             yield session
     finally:
+        guard.remove()
         packed_guard.remove()
         session.close()
     unused = [site.layer.name for site in sites if not site.consumed]

@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -45,11 +46,24 @@ __all__ = ["MISSING_POLICIES", "RoutingTrace", "compact_dtype", "is_id_dtype", "
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """A Python or numpy integer (``numpy.int64`` sample ids come from numpy index arrays), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _id_list(values: Any, name: str) -> list[int]:
-    if isinstance(values, torch.Tensor):
+    """``values`` as Python ints: a list, tuple, range, 1-D integer tensor or numpy array (numpy ints too)."""
+    if hasattr(values, "tolist") and hasattr(values, "dtype"):  # a tensor or numpy array
+        dtype = values.dtype
+        integer = (
+            not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+            if isinstance(dtype, torch.dtype)
+            else getattr(dtype, "kind", "") in ("i", "u")
+        )
+        if not integer or len(getattr(values, "shape", ())) != 1:
+            raise RoutingError(
+                f"`{name}` must be a 1-D sequence of integers; got a {type(values).__name__} of dtype {dtype} "
+                f"and shape {tuple(values.shape)}."
+            )
         values = values.tolist()
     if isinstance(values, (str, bytes)) or (
         not isinstance(values, Sequence) and not hasattr(values, "__iter__")
@@ -58,7 +72,7 @@ def _id_list(values: Any, name: str) -> list[int]:
     out = list(values)
     if not all(_is_int(v) for v in out):
         raise RoutingError(f"`{name}` must hold integers; got {out[:8]}.")
-    return out
+    return [int(v) for v in out]
 
 
 @dataclass
@@ -278,8 +292,8 @@ class RoutingTrace:
         """The trace of the MoE layers ``layer_ids`` (decoder-layer indices), in that order.
 
         Raises:
-            RoutingError: a layer id the trace does not hold (names it and the ids it holds), or a
-                trace whose layer ids repeat (several routing sites per decoder layer).
+            RoutingError: a layer id the trace does not hold (names it and the ids it holds), a layer
+                id given twice, or a trace whose layer ids repeat (several routing sites per decoder layer).
 
         Example:
             >>> trace = RoutingTrace([torch.tensor([[0, 1]]), torch.tensor([[2, 3]])], layer_ids=[1, 3])
@@ -287,6 +301,11 @@ class RoutingTrace:
             ([3], [[2, 3]])
         """
         wanted = _id_list(layer_ids, "layer_ids")
+        repeated = sorted({lid for lid in wanted if wanted.count(lid) > 1})
+        if repeated:
+            raise RoutingError(
+                f"`layer_ids` names decoder layer `{repeated[0]}` twice ({wanted}); a trace holds each layer once."
+            )
         if len(set(self.layer_ids)) != len(self.layer_ids):
             raise RoutingError(
                 f"This trace has several routing sites per decoder layer (layer ids {self.layer_ids}); "
