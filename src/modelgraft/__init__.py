@@ -3,11 +3,11 @@
 Importing modelgraft installs its load hooks into transformers (idempotent; see
 ``modelgraft.hooks``).
 
-The public API is five namespaces, each exactly its ``__all__``: ``modelgraft`` (this module),
+The public API is six namespaces, each exactly its ``__all__``: ``modelgraft`` (this module),
 ``modelgraft.grafts`` (ready-made grafts), ``modelgraft.moe`` (MoE routing record/replay),
-``modelgraft.porting`` (transformers' conversion API, for ported code) and ``modelgraft.testing``
-(tiny configs for tests). docs/api.md lists every name, and a test keeps the
-two equal. Every other module, and every name outside those ``__all__`` lists, is private and may
+``modelgraft.porting`` (transformers' conversion API, for ported code), ``modelgraft.testing``
+(tiny configs for tests) and ``modelgraft.integrations.trl`` (routing replay in TRL, where TRL is
+installed). docs/api.md lists every name, and a test keeps the two equal. Every other module, and every name outside those ``__all__`` lists, is private and may
 change without notice. Every error modelgraft raises is exported here.
 """
 

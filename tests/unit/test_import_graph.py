@@ -9,7 +9,10 @@ or a layer violation is found whether or not a test happens to import the module
 * ``modelgraft._compat`` (the transformers boundary, the bottom layer) imports nothing of
   modelgraft above it, anywhere in its code;
 * no module outside ``_compat`` imports a transformers submodule: only public names of the
-  top-level ``transformers`` package (``from transformers import AutoConfig``).
+  top-level ``transformers`` package (``from transformers import AutoConfig``);
+* every module sits in one layer of :data:`LAYERS` (the layers of docs/architecture.md, as data)
+  and imports only from its own layer or the layers below it, deferred imports included; the
+  architecture page lists every module in its layer.
 
 A fresh ``import modelgraft`` must not resolve transformers' Auto model classes (``modeling_auto``
 stays unimported), so importing modelgraft costs no more of transformers than it needs.
@@ -18,6 +21,7 @@ stays unimported), so importing modelgraft costs no more of transformers than it
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -29,6 +33,47 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = SRC / "modelgraft"
 #: What the bottom layer may import from the rest of modelgraft: leaves that import nothing of it.
 COMPAT_MAY_IMPORT = {"modelgraft.errors", "modelgraft._wrapping", "modelgraft._forksafe"}
+
+#: The layers of the package, bottom first: a module imports only from its own layer and the ones
+#: below. Each lists modules (a package name covers its whole package); the deepest match wins.
+#: docs/architecture.md draws the same layers and names every module.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "leaves",
+        (
+            "modelgraft.errors",
+            "modelgraft._forksafe",
+            "modelgraft._wrapping",
+            "modelgraft._patterns",
+            "modelgraft.report",
+            "modelgraft._compare",
+            "modelgraft._target",
+        ),
+    ),
+    ("transformers boundary", ("modelgraft._compat",)),
+    (
+        "registry and class swap",
+        ("modelgraft.registry", "modelgraft.swap", "modelgraft.recorders", "modelgraft._families"),
+    ),
+    ("conversion", ("modelgraft.conversion", "modelgraft.graft")),
+    (
+        "loading, in-place grafts, weight sync, porting",
+        (
+            "modelgraft.hooks",
+            "modelgraft.live",
+            "modelgraft._live_carry",
+            "modelgraft._live_optim",
+            "modelgraft.weight_sync",
+            "modelgraft._peft_sync",
+            "modelgraft.state_load",
+            "modelgraft.porting",
+            "modelgraft._porting_mapping",
+            "modelgraft._porting_load",
+        ),
+    ),
+    ("features", ("modelgraft.grafts", "modelgraft.moe", "modelgraft.verify", "modelgraft.testing")),
+    ("entry points", ("modelgraft", "modelgraft.cli", "modelgraft.__main__", "modelgraft.integrations")),
+)
 
 
 def _module_name(path: Path) -> str:
@@ -207,3 +252,60 @@ def test_import_modelgraft_does_not_resolve_the_auto_model_classes() -> None:
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
+def _layer_of(module: str) -> int | None:
+    """The index in :data:`LAYERS` of ``module`` (deepest listed prefix), or ``None``."""
+    best: tuple[int, int] | None = None
+    for index, (_name, members) in enumerate(LAYERS):
+        for member in members:
+            if (module == member or module.startswith(member + ".")) and (
+                best is None or len(member) > best[0]
+            ):
+                best = (len(member), index)
+    return None if best is None else best[1]
+
+
+def test_every_module_is_in_a_layer() -> None:
+    missing = sorted(m for m in MODULES if _layer_of(m) is None)
+    assert not missing, f"modules in no layer (add them to LAYERS and docs/architecture.md): {missing}"
+
+
+def test_the_layer_checker_finds_an_upward_import() -> None:
+    assert _layer_of("modelgraft.conversion.load") == _layer_of("modelgraft.graft")
+    assert _layer_of("modelgraft.moe.routing") > _layer_of("modelgraft.registry")  # type: ignore[operator]
+    assert _layer_of("modelgraft") > _layer_of("modelgraft.moe")  # type: ignore[operator]
+
+
+def test_imports_point_down_the_layers() -> None:
+    upward = sorted(
+        f"{module} ({LAYERS[low][0]}) imports {target} ({LAYERS[high][0]}) at line {line}"
+        for module, tree in TREES.items()
+        if (low := _layer_of(module)) is not None
+        for target, line in _imports(tree, module, module_level_only=False)
+        if (own := _own(target)) is not None
+        and own != module
+        and (high := _layer_of(own)) is not None
+        and high > low
+    )
+    assert not upward, "imports pointing up a layer:\n" + "\n".join(upward)
+
+
+def test_the_architecture_page_lists_every_module_in_its_layer() -> None:
+    page = (SRC.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    sections = re.split(r"^### ", page, flags=re.M)
+    listed: dict[str, str] = {}
+    for section in sections[1:]:
+        title = section.splitlines()[0].strip()
+        for name in re.findall(r"`(modelgraft[\w.]*)`", section):
+            listed.setdefault(name, title)
+    layer_names = [name for name, _ in LAYERS]
+    assert [t for t in (s.splitlines()[0].strip() for s in sections[1:]) if t in layer_names] == layer_names[
+        ::-1
+    ]
+    wrong = sorted(
+        f"{m}: page says {listed.get(m)!r}, LAYERS says {LAYERS[_layer_of(m)][0]!r}"  # type: ignore[index]
+        for m in MODULES
+        if listed.get(m) != LAYERS[_layer_of(m)][0]  # type: ignore[index]
+    )
+    assert not wrong, "docs/architecture.md does not list these modules in their layer:\n" + "\n".join(wrong)
