@@ -69,6 +69,7 @@ def run_job(job: dict, folder: Path) -> dict:
         model.save_pretrained(folder / "original")
     except Exception as e:
         return {"status": "unbuildable", "reason": f"plain save: {type(e).__name__}: {str(e)[:300]}"}
+    torch.manual_seed(1)  # as the modelgraft load: keys both leave missing get the same initial values
     try:
         loaded, info = cls.from_pretrained(folder / "original", output_loading_info=True)
     except Exception as e:
