@@ -298,11 +298,15 @@ def test_an_expert_adapter_of_linear_experts_on_the_plain_model_is_exact_or_refu
     if not any(
         isinstance(m, torch.nn.ModuleList) for n, m in plain.named_modules() if n.endswith("mlp.experts")
     ):
+        before = _logits(plain, "qwen2_moe")
         with pytest.raises(
             ExpertsAdapterError,
             match=r"per-expert layers \(\d+ of its 60 tensors.*Load it on the grafted model",
         ):
             PeftModel.from_pretrained(plain, tmp_path)
+        # nothing half-applied: the refused load leaves no LoRA layer in the plain model
+        assert not [n for n, _ in plain.named_modules() if "lora_" in n]
+        _same(_logits(plain, "qwen2_moe"), before)
     else:
         _same(_logits(PeftModel.from_pretrained(plain, tmp_path).eval(), "qwen2_moe"), adapted)
     # The grafted model takes it whole; merged there, the checkpoint loads on the plain model.

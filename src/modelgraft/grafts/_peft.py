@@ -191,10 +191,24 @@ def _state_dict_check(original: Callable[..., Any]) -> Callable[..., Any]:
     def set_peft_model_state_dict(
         model: nn.Module, peft_model_state_dict: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        _refuse_dropped_expert_adapters(model, peft_model_state_dict)
+        try:
+            _refuse_dropped_expert_adapters(model, peft_model_state_dict)
+        except ExpertsAdapterError:
+            _remove_injected_adapters(model)  # PEFT put its layers in before loading: take them out
+            raise
         return original(model, peft_model_state_dict, *args, **kwargs)
 
     return set_peft_model_state_dict
+
+
+def _remove_injected_adapters(model: nn.Module) -> None:
+    """Put the user's model back as it was before a refused adapter load: PEFT injects its LoRA
+    layers into the base model in place before it loads their weights; ``unload`` takes them out
+    again without merging anything."""
+    tuner = getattr(model, "base_model", None)
+    unload = getattr(tuner, "unload", None)
+    if callable(unload):
+        unload()
 
 
 def _refuse_dropped_expert_adapters(model: nn.Module, state: Any) -> None:
