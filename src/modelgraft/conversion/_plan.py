@@ -204,7 +204,9 @@ def _check_user_reverse(
         return  # irreversible: refused at save, where the way back is needed
     if any(t.device.type == "meta" for g in [*sources, *converted] for t in g):
         return  # no values to compare yet: checked on the first load with values
-    back = run_reverse(group, converted)
+    # The way back needs the shapes each operation received: those of the tensors loaded here.
+    exact = Group(converter, group.sources, group.targets, [[t.shape for t in g] for g in sources])
+    back = run_reverse(exact, converted)
     for keys, originals, returned in zip(group.sources, sources, back):
         for key, original, got in zip(keys, originals, returned):
             if got.shape != original.shape or got.dtype != original.dtype or not torch.equal(got, original):
