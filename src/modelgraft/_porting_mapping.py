@@ -23,18 +23,11 @@ from typing import Any
 import torch
 
 from modelgraft import registry
+from modelgraft.conversion._chain import scoped_copy
 from modelgraft.conversion._hf_plan import _rename, rename_key
 from modelgraft.conversion.rules import WeightConverter
 
 __all__ = ["get_model_conversion_mapping", "rename_source_key", "revert_weight_conversion"]
-
-
-def _scoped_copy(conv: WeightConverter, scope: str, base: str | None) -> WeightConverter:
-    rebuild, args = conv.__reduce__()
-    copy: WeightConverter = rebuild(*args)
-    copy.scope_prefix = scope
-    copy.base_model_prefix = base
-    return copy
 
 
 def get_model_conversion_mapping(
@@ -86,7 +79,7 @@ def get_model_conversion_mapping(
             continue
         if path:
             scope = path.removeprefix(base).removeprefix(".")
-            out.extend(_scoped_copy(c, scope, base) for c in found)
+            out.extend(scoped_copy(c, scope, base) for c in found)
         else:
             out.extend(found)
         seen.setdefault(cls_name, []).append(path)

@@ -33,7 +33,7 @@ from modelgraft.conversion.builtin_rules import (
 )
 from modelgraft.conversion.rules import WeightConverter
 
-__all__ = ["Chain", "chained_entry", "from_transformers"]
+__all__ = ["Chain", "chained_entry", "from_transformers", "scoped_copy"]
 
 #: ``(converters, sub-model paths whose entries the list absorbed)``.
 Chain = tuple[tuple[WeightConverter, ...], tuple[str, ...]]
@@ -65,7 +65,8 @@ def from_transformers(transform: Any) -> WeightConverter | None:
     return ours
 
 
-def _scoped(conv: WeightConverter, scope: str, base: str | None) -> WeightConverter:
+def scoped_copy(conv: WeightConverter, scope: str, base: str | None) -> WeightConverter:
+    """A copy of ``conv`` restricted to a sub-model: ``scope_prefix`` and ``base_model_prefix`` set."""
     rebuild, args = conv.__reduce__()
     copy: WeightConverter = rebuild(*args)
     copy.scope_prefix = scope
@@ -135,7 +136,7 @@ def chained_entry(model: torch.nn.Module, snapshot: registry.Snapshot | None = N
                 continue
             if path:
                 scope = path.removeprefix(base).removeprefix(".")
-                out.extend(_scoped(c, scope, base) for c in found)
+                out.extend(scoped_copy(c, scope, base) for c in found)
                 absorbed.append(path)
             else:
                 out.extend(found)
