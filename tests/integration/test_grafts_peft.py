@@ -253,7 +253,9 @@ def test_lora_on_linear_experts_wraps_each_expert_merges_and_saves(
     adapted = _logits(model, model_type)
     assert torch.isfinite(adapted).all() and not torch.allclose(adapted, before, atol=1e-3)
     model.save_pretrained(tmp_path / "adapter")
-    assert any(".experts.0." in k for k in _adapter_keys(tmp_path / "adapter"))
+    # written in the plain model's layout: PEFT's LoRA of the fused 3D experts
+    assert not any(".experts.0." in k for k in _adapter_keys(tmp_path / "adapter"))
+    assert any(k.endswith("experts.lora_A.weight") for k in _adapter_keys(tmp_path / "adapter"))
     reloaded = PeftModel.from_pretrained(_load(path, graft), tmp_path / "adapter").eval()
     _same(_logits(reloaded, model_type), adapted)
 
@@ -264,53 +266,68 @@ def test_lora_on_linear_experts_wraps_each_expert_merges_and_saves(
 
 
 @requires_fused_experts
-def test_an_adapter_of_the_plain_fused_experts_is_refused_on_linear_experts(
-    checkpoint, tmp_path: Path
-) -> None:
+def test_an_adapter_of_the_plain_fused_experts_loads_on_linear_experts(checkpoint, tmp_path: Path) -> None:
     path = checkpoint("qwen3_moe")
     config = _lora(["gate_proj", "up_proj", "down_proj"])
-    get_peft_model(_load(path), config).save_pretrained(tmp_path)  # PEFT targets the 3D parameters here
-    grafted = _load(path, linear_experts("qwen3_moe"))
-    before = _logits(grafted, "qwen3_moe")
-    with pytest.raises(
-        ExpertsAdapterError, match=r"targets the parameters .*gate_up_proj.*`linear_experts` graft"
-    ):
-        PeftModel.from_pretrained(grafted, tmp_path)
-    assert not any(type(m).__module__.startswith("peft.") for m in grafted.modules())  # left as it was
-    _same(_logits(grafted, "qwen3_moe"), before)
-    assert isinstance(ExpertsAdapterError("x"), ValueError)
+    plain = get_peft_model(_load(path), config)  # PEFT targets the 3D parameters here
+    _randomize_lora(plain)
+    expected = _logits(plain, "qwen3_moe")
+    plain.save_pretrained(tmp_path)
+    grafted = PeftModel.from_pretrained(_load(path, linear_experts("qwen3_moe")), tmp_path).eval()
+    assert any(n.endswith("experts.0.gate_proj.lora_A.default.weight") for n, _ in grafted.named_parameters())
+    _same(_logits(grafted, "qwen3_moe"), expected)
 
 
 # ---- issue 19, point 2: an expert adapter of a grafted model, loaded on the plain model -------------
-def test_an_expert_adapter_of_linear_experts_on_the_plain_model_is_exact_or_refused(
+def test_an_expert_adapter_of_linear_experts_loads_on_the_plain_model_with_equal_outputs(
     checkpoint, tmp_path: Path
 ) -> None:
-    """On 4.57 the plain model has per-expert layers: the adapter loads with equal outputs. On 5.x it
-    holds fused 3D experts, where PEFT would drop 48 of the 60 tensors quietly: refused, naming the way."""
+    """On 5.x the plain model holds fused 3D experts, where PEFT dropped 48 of the 60 tensors of the
+    per-expert adapter quietly: the save now writes them in PEFT's fused layout. The shared expert
+    (same layer names) keeps its own LoRA on both."""
     path = checkpoint("qwen2_moe")
     graft = linear_experts("qwen2_moe")
     model = get_peft_model(_load(path, graft), _lora(["gate_proj", "up_proj", "down_proj"]))
     _randomize_lora(model)
     adapted = _logits(model, "qwen2_moe")
     model.save_pretrained(tmp_path)
-    assert any(".experts.0.gate_proj.lora_A" in k for k in _adapter_keys(tmp_path))
+    assert any(".shared_expert.gate_proj.lora_A" in k for k in _adapter_keys(tmp_path))
     plain = _load(path)
-    if not any(
-        isinstance(m, torch.nn.ModuleList) for n, m in plain.named_modules() if n.endswith("mlp.experts")
-    ):
-        before = _logits(plain, "qwen2_moe")
-        with pytest.raises(
-            ExpertsAdapterError,
-            match=r"per-expert layers \(\d+ of its 60 tensors.*Load it on the grafted model",
-        ):
-            PeftModel.from_pretrained(plain, tmp_path)
-        # nothing half-applied: the refused load leaves no LoRA layer in the plain model
-        assert not [n for n, _ in plain.named_modules() if "lora_" in n]
-        _same(_logits(plain, "qwen2_moe"), before)
-    else:
-        _same(_logits(PeftModel.from_pretrained(plain, tmp_path).eval(), "qwen2_moe"), adapted)
-    # The grafted model takes it whole; merged there, the checkpoint loads on the plain model.
+    assert not torch.allclose(_logits(plain, "qwen2_moe"), adapted, atol=1e-3)
+    _same(_logits(PeftModel.from_pretrained(plain, tmp_path).eval(), "qwen2_moe"), adapted)
+    # The grafted model takes it back; merged there, the checkpoint loads on the plain model.
     reloaded = PeftModel.from_pretrained(_load(path, graft), tmp_path).eval()
     _same(_logits(reloaded, "qwen2_moe"), adapted)
     reloaded.merge_and_unload().save_pretrained(tmp_path / "merged")
     _same(_logits(_load(tmp_path / "merged"), "qwen2_moe"), adapted)
+
+
+@requires_fused_experts
+def test_a_per_expert_adapter_written_before_on_the_plain_model_is_refused_leaving_it_as_it_was(
+    checkpoint, tmp_path: Path
+) -> None:
+    """An adapter in the per-expert layout (as modelgraft wrote them before, or transformers 4.57's
+    per-expert Qwen2-MoE) on the plain 5.x model, which PEFT does not convert for this family."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    path = checkpoint("qwen2_moe")
+    model = get_peft_model(
+        _load(path, linear_experts("qwen2_moe")), _lora(["gate_proj", "up_proj", "down_proj"])
+    )
+    _randomize_lora(model)
+    tmp_path.mkdir(exist_ok=True)
+    save_file(
+        get_peft_model_state_dict(model),
+        str(tmp_path / "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    model.peft_config["default"].save_pretrained(str(tmp_path))
+    plain = _load(path)
+    before = _logits(plain, "qwen2_moe")
+    with pytest.raises(
+        ExpertsAdapterError, match=r"per-expert layers \(\d+ of its 60 tensors.*Load it on the grafted model"
+    ):
+        PeftModel.from_pretrained(plain, tmp_path)
+    assert not [n for n, _ in plain.named_modules() if "lora_" in n]  # nothing half-applied
+    _same(_logits(plain, "qwen2_moe"), before)

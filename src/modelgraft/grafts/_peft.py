@@ -36,16 +36,21 @@ from __future__ import annotations
 import copy
 import importlib.abc
 import importlib.machinery
+import inspect
+import json
+import os
 import re
 import sys
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
+import torch
 from torch import nn
 
 from modelgraft._forksafe import ForkSafeLock
 from modelgraft.errors import ExpertsAdapterError  # defined there with every error; this path kept
+from modelgraft.grafts import _peft_experts as _experts
 
 __all__ = ["ExpertsAdapterError", "ensure_installed", "installed", "uninstall"]
 
@@ -193,12 +198,126 @@ def _state_dict_check(original: Callable[..., Any]) -> Callable[..., Any]:
     ) -> Any:
         try:
             _refuse_dropped_expert_adapters(model, peft_model_state_dict)
+            if isinstance(peft_model_state_dict, dict) and _grafted_expert_names(model):
+                adapter = args[0] if args else kwargs.get("adapter_name", "default")
+                peft_model_state_dict = _experts.split_state(peft_model_state_dict, _base_of(model), adapter)
         except ExpertsAdapterError:
             _remove_injected_adapters(model)  # PEFT put its layers in before loading: take them out
             raise
         return original(model, peft_model_state_dict, *args, **kwargs)
 
     return set_peft_model_state_dict
+
+
+def _base_of(model: nn.Module) -> nn.Module:
+    get_base = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) else model
+    assert isinstance(base, nn.Module)
+    return base
+
+
+def _config_split(original: Callable[..., Any]) -> Callable[..., Any]:
+    def inject_adapter(self: Any, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> Any:
+        config = getattr(self, "peft_config", {}).get(adapter_name)
+        if config is not None and _grafted_expert_names(model):
+            # An adapter of the plain model's fused 3D experts: point it at the per-expert layers.
+            _experts.split_config(config, model)
+        return original(self, model, adapter_name, *args, **kwargs)
+
+    return inject_adapter
+
+
+# ---- saving an adapter of grafted experts in the plain model's layout ----------------------------
+def _save_in_plain_layout(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    def save_pretrained(self: Any, save_directory: str, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(self, save_directory, *args, **kwargs)
+        plans = _plans_for_save(self, bound.arguments.get("selected_adapters"))  # refuses before writing
+        result = original(self, save_directory, *args, **kwargs)
+        if plans and bound.arguments.get("is_main_process", True):
+            for adapter, (site_plans, others) in plans.items():
+                folder = save_directory if adapter == "default" else os.path.join(save_directory, adapter)
+                _rewrite_saved(folder, site_plans, others)
+        return result
+
+    return save_pretrained
+
+
+def _plans_for_save(
+    peft_model: Any, selected: list[str] | None
+) -> dict[str, tuple[list[_experts.SitePlan], list[str]]]:
+    """Per adapter: the grafted expert sites to write fused, and the other adapted layers' names."""
+    base = _base_of(peft_model)
+    if not _grafted_expert_names(base):
+        return {}
+    plans = {}
+    for adapter in selected or list(getattr(peft_model, "peft_config", {})):
+        site_plans = _experts.plan_save(base, adapter)
+        if not site_plans:
+            continue
+        others = _other_adapted_layers(base, adapter, site_plans)
+        _refuse_layers_peft_would_convert(base, others)
+        plans[adapter] = (site_plans, others)
+    return plans
+
+
+def _other_adapted_layers(base: nn.Module, adapter: str, plans: list[_experts.SitePlan]) -> list[str]:
+    inside = tuple(f"{p.site.path}." for p in plans)
+    found = []
+    for name, module in base.named_modules():
+        lora_a = getattr(module, "lora_A", None)
+        if (
+            name.startswith(inside)
+            or hasattr(module, "parameter_name")
+            or not isinstance(lora_a, nn.ModuleDict)
+        ):
+            continue
+        if adapter in lora_a:
+            found.append(name)
+    return found
+
+
+def _refuse_layers_peft_would_convert(base: nn.Module, others: list[str]) -> None:
+    """PEFT, loading an adapter on the plain model of a family it converts (Qwen3-MoE, Mixtral,
+    DeepSeek-V3, ...), turns every module target named like an expert layer (``gate_proj``, ``w1``)
+    into the fused experts: an adapted shared expert of that name would be dropped there."""
+    module = sys.modules.get("peft.utils.transformers_weight_conversion")
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
+    if module is None or model_type is None:
+        return
+    pattern = getattr(module, "_MODEL_TO_CONVERSION_PATTERN", {}).get(model_type)
+    if pattern is None or module.get_checkpoint_conversion_mapping(model_type) is None:
+        return
+    converted = set(getattr(module, "_MOE_TARGET_MODULE_MAPPING", {}).get(pattern, {}))
+    victims = [name for name in others if name.rsplit(".", 1)[-1] in converted]
+    if victims:
+        raise ExpertsAdapterError(
+            f"The adapter adapts `{victims[0]}` ({len(victims)} such layers), outside the experts. PEFT, loading an "
+            f"adapter on the plain `{model_type}` model, turns every target named {sorted(converted)} into the fused "
+            "experts, so these layers' LoRA would be dropped there. Leave them out of the targets (for example "
+            "`exclude_modules=[...shared expert layers...]`), or merge the adapter (`merge_and_unload()`) and save the "
+            "merged checkpoint."
+        )
+
+
+def _rewrite_saved(folder: str, plans: list[_experts.SitePlan], others: list[str]) -> None:
+    """Rewrite a saved adapter folder: grafted experts' pairs fused, config pointing at them."""
+    from safetensors.torch import load_file, save_file
+
+    config_path = os.path.join(folder, "adapter_config.json")
+    with open(config_path) as handle:
+        config = json.load(handle)
+    safe = os.path.join(folder, "adapter_model.safetensors")
+    if os.path.exists(safe):
+        state = _experts.fuse_state(load_file(safe), plans)
+        save_file(state, safe, metadata={"format": "pt"})
+    else:
+        weights = os.path.join(folder, "adapter_model.bin")
+        state = _experts.fuse_state(torch.load(weights, weights_only=True), plans)
+        torch.save(state, weights)
+    with open(config_path, "w") as handle:
+        json.dump(_experts.fuse_config(config, plans, others), handle, indent=2, sort_keys=True)
 
 
 def _remove_injected_adapters(model: nn.Module) -> None:
@@ -240,8 +359,14 @@ def _refuse_dropped_expert_adapters(model: nn.Module, state: Any) -> None:
 
 
 _PATCHES: dict[str, tuple[tuple[str, Callable[..., Callable[..., Any]]], ...]] = {
-    "peft.peft_model": (("set_peft_model_state_dict", lambda f, m: _state_dict_check(f)),),
-    "peft.tuners.tuners_utils": (("_maybe_include_all_linear_layers", lambda f, m: _all_linear(f)),),
+    "peft.peft_model": (
+        ("set_peft_model_state_dict", lambda f, m: _state_dict_check(f)),
+        ("PeftModel.save_pretrained", lambda f, m: _save_in_plain_layout(f)),
+    ),
+    "peft.tuners.tuners_utils": (
+        ("_maybe_include_all_linear_layers", lambda f, m: _all_linear(f)),
+        ("BaseTuner.inject_adapter", lambda f, m: _config_split(f)),
+    ),
     "peft.utils.transformers_weight_conversion": (
         ("_convert_peft_config_moe", _moe_config),
         ("get_model_conversion_mapping", lambda f, m: _conversion_mapping(f)),
@@ -249,22 +374,33 @@ _PATCHES: dict[str, tuple[tuple[str, Callable[..., Callable[..., Any]]], ...]] =
 }
 
 
+def _owner(module: ModuleType, attribute: str) -> tuple[Any, str]:
+    """The object holding ``attribute`` (``"PeftModel.save_pretrained"``: the class) and its last name."""
+    *path, name = attribute.split(".")
+    owner: Any = module
+    for part in path:
+        owner = getattr(owner, part, None)
+    return owner, name
+
+
 def _patch(module: ModuleType) -> None:
     for attribute, wrap in _PATCHES.get(module.__name__, ()):
-        found = getattr(module, attribute, None)
+        owner, name = _owner(module, attribute)
+        found = getattr(owner, name, None)
         if found is None or getattr(found, _WRAPPED, None) is not None:
             continue  # a PEFT without it (nothing to adjust), or already wrapped
         wrapper = wrap(found, module)
         setattr(wrapper, _WRAPPED, found)
-        setattr(module, attribute, wrapper)
+        setattr(owner, name, wrapper)
 
 
 def _unpatch(module: ModuleType) -> None:
     for attribute, _ in _PATCHES.get(module.__name__, ()):
-        found = getattr(module, attribute, None)
+        owner, name = _owner(module, attribute)
+        found = getattr(owner, name, None)
         original = getattr(found, _WRAPPED, None)
         if original is not None:
-            setattr(module, attribute, original)
+            setattr(owner, name, original)
 
 
 # ---- the post-import hook ------------------------------------------------------------------------

@@ -255,6 +255,7 @@ class _LinearExpertsBase(nn.ModuleList):
     def _setup(self, probe: nn.Module) -> None:
         layout = layout_of(probe)
         assert layout is not None  # _layout_problem refused experts without one before
+        self._layout = layout  # PEFT's fused layout of these experts (grafts._peft_experts) reads it
         num, inter, hidden = split_fused(probe, layout)["gate"].shape
         gate = _family_gate(probe, layout)
         act_fn = getattr(probe, "act_fn", None) if gate is None else None
