@@ -292,7 +292,7 @@ def test_construction_step_is_installed_with_modelgraft_and_fully_removable() ->
     from transformers import modeling_utils
 
     from modelgraft import hooks
-    from modelgraft._wrapping import is_wrapped as marked
+    from modelgraft._compat._wrapping import is_wrapped as marked
 
     before_v5 = modeling_utils.__dict__.get("apply_patches")
     assert _compat.construction_step_installed()

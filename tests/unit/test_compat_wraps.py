@@ -19,8 +19,8 @@ import pytest
 import modelgraft  # noqa: F401  (installs the wrappers)
 from _versions import TRANSFORMERS_VERSION
 from modelgraft import _compat, hooks
+from modelgraft._compat._wrapping import WRAPPED_MARK, is_wrapped
 from modelgraft._compat.wraps import GROUPS, SITES, Site, WrapGroup, owner_of, sites
-from modelgraft._wrapping import WRAPPED_MARK, is_wrapped
 
 HERE = sites()  # the sites of the installed transformers
 

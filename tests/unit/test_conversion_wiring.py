@@ -1,7 +1,7 @@
 """The conversion wiring: ``modelgraft.conversion.install``/``uninstall`` and the hooks they place.
 
 Unit tests of the wiring (``modelgraft.conversion``'s install/uninstall, ``modelgraft._compat``'s
-``conversion_wiring_installed``, ``modelgraft._wrapping``'s ``is_wrapped``), in their own file: they
+``conversion_wiring_installed``, ``modelgraft._compat._wrapping``'s ``is_wrapped``), in their own file: they
 import those private modules directly, the one exception to tests using public names only (issue 14);
 everything else comes from the public namespaces.
 """
@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, modeling_utils
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from modelgraft import Concatenate, WeightConverter, _compat, conversion, patched, report
-from modelgraft._wrapping import is_wrapped
+from modelgraft._compat._wrapping import is_wrapped
 from modelgraft.grafts import fused_qkv_class
 
 #: The tiny llama of tests/integration/test_conversion_load.py (grouped-query attention, q/k/v biases).

@@ -1,7 +1,7 @@
 """The transformers boundary: everything modelgraft knows about the installed transformers.
 
 modelgraft supports transformers 4.57.x (the last 4.x) and 5.x. This package is the bottom layer:
-it imports nothing of modelgraft above it (only ``errors``, ``_wrapping`` and ``_forksafe``), and
+it imports nothing of modelgraft above it (only ``errors`` and ``_forksafe``), and
 no module outside it imports transformers internals. The rest of the package asks it instead of
 branching on versions or reaching into transformers:
 
@@ -15,8 +15,8 @@ branching on versions or reaching into transformers:
   (:func:`meta_device`), 4.57 class tables (:func:`rebind_class_tables`);
 * lookups into transformers' model catalogue and helpers (:mod:`.models`).
 
-The 4.57-only code lives in :mod:`._v4` and :mod:`._loading_v4`, the 5.x-only code in :mod:`._v5`
-and :mod:`._loading_v5`; exactly one of each pair is imported.
+The 4.57-only code lives in :mod:`._v4` and :mod:`._conversion_v4`, the 5.x-only code in :mod:`._v5`
+and :mod:`._conversion_v5`; exactly one of each pair is imported.
 
 Example:
     >>> from modelgraft import _compat
@@ -47,6 +47,7 @@ from modelgraft._compat._version import (
     check_supported,
     is_supported,
 )
+from modelgraft._compat._wrapping import Make
 from modelgraft._compat.engine import ConversionEngine
 from modelgraft._compat.loading import (
     builtin_checkpoint_conversions,
@@ -62,7 +63,6 @@ from modelgraft._compat.models import (
     revert_builtin_conversion,
 )
 from modelgraft._compat.wraps import WrapGroup
-from modelgraft._wrapping import Make
 
 __all__ = [
     "FUSED_MOE_EXPERTS",

@@ -4,8 +4,8 @@ The version layer knows *where* transformers loads and saves (the ``conversion``
 :mod:`modelgraft._compat.wraps`); the engine (:mod:`modelgraft.conversion`) knows *what* to do
 there. The engine is passed in, as a :class:`~modelgraft._compat.engine.ConversionEngine`, when it installs itself
 (:func:`install`), so nothing here imports it: the dependency points down, from the engine to
-this layer. :mod:`modelgraft._compat._loading_v5` wires it into 5.x and
-:mod:`modelgraft._compat._loading_v4` into 4.57; exactly one of them is imported.
+this layer. :mod:`modelgraft._compat._conversion_v5` wires it into 5.x and
+:mod:`modelgraft._compat._conversion_v4` into 4.57; exactly one of them is imported.
 
 Example:
     >>> builtin_conversion_exists("qwen2_moe") == HAS_BUILTIN_CONVERSION
@@ -31,9 +31,9 @@ __all__ = [
 ]
 
 if IS_V5 or TYPE_CHECKING:  # both lines share one interface; the checker reads the 5.x one
-    from modelgraft._compat import _loading_v5 as _wiring
+    from modelgraft._compat import _conversion_v5 as _wiring
 else:
-    from modelgraft._compat import _loading_v4 as _wiring
+    from modelgraft._compat import _conversion_v4 as _wiring
 
 
 def install(engine: ConversionEngine) -> None:

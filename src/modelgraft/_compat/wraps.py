@@ -15,7 +15,7 @@ groups, installed in this order by :func:`modelgraft.hooks.install` and removed 
 4. ``conversion``: the load and save steps where the conversion engine fills converted
    parameters and writes the original layout back.
 
-Each group is installed through one :class:`WrapGroup` (a :class:`~modelgraft._wrapping.Wrappers`
+Each group is installed through one :class:`WrapGroup` (a :class:`~modelgraft._compat._wrapping.Wrappers`
 set): all of its sites or none, and on removal an attribute is restored only where it still holds
 modelgraft's wrapper.
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelgraft._compat._version import TRANSFORMERS_MAJOR
-from modelgraft._wrapping import Make, Restore, Wrappers
+from modelgraft._compat._wrapping import Make, Restore, Wrappers
 
 __all__ = ["GROUPS", "SITES", "Site", "WrapGroup", "owner_of", "sites"]
 

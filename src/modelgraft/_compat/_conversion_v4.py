@@ -1,5 +1,5 @@
 """The conversion engine's wiring into transformers 4.57 (the counterpart of
-:mod:`modelgraft._compat._loading_v5`, which wires it into 5.x); see :mod:`modelgraft._compat.loading`.
+:mod:`modelgraft._compat._conversion_v5`, which wires it into 5.x); see :mod:`modelgraft._compat.loading`.
 
 4.57 has no conversion machinery of its own: one checkpoint key fills one parameter, and
 ``save_pretrained`` writes ``state_dict()`` as it is. The engine is the
@@ -20,8 +20,8 @@ imports it. Wrapped (the ``conversion`` sites of :mod:`modelgraft._compat.wraps`
   the default, as on 5.x) by reversing modelgraft's conversions in the state dict it saves.
 
 Example:
-    >>> from modelgraft._compat import _loading_v4
-    >>> _loading_v4.builtin_conversion_exists("qwen2_moe")
+    >>> from modelgraft._compat import _conversion_v4
+    >>> _conversion_v4.builtin_conversion_exists("qwen2_moe")
     False
 """
 

@@ -1,5 +1,5 @@
 """The conversion engine's wiring into transformers 5.x (the counterpart of
-:mod:`modelgraft._compat._loading_v4`); see :mod:`modelgraft._compat.loading`.
+:mod:`modelgraft._compat._conversion_v4`); see :mod:`modelgraft._compat.loading`.
 
 The engine is the :class:`~modelgraft._compat.loading.ConversionEngine` given to :func:`install`;
 this module never imports it. Wrapped (the ``conversion`` sites of :mod:`modelgraft._compat.wraps`),
@@ -16,8 +16,8 @@ in ``transformers.modeling_utils``:
   exactly and leaves the other keys to transformers.
 
 Example:
-    >>> from modelgraft._compat import _loading_v5
-    >>> _loading_v5.builtin_conversion_exists("qwen2_moe")
+    >>> from modelgraft._compat import _conversion_v5
+    >>> _conversion_v5.builtin_conversion_exists("qwen2_moe")
     True
 """
 
