@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from modelgraft._compat.engine import ConversionEngine
+from modelgraft._compat.engine import ConversionEngine, LoadRequest
 from modelgraft._compat.wraps import WrapGroup
 
 __all__ = [
@@ -124,15 +124,16 @@ def _wrap_find_missing(engine: ConversionEngine) -> Any:
                 return missing, unexpected
             still_missing, left_unexpected = set(missing), set(unexpected)
             engine.load(
-                model,
-                load.files,
-                still_missing,
-                left_unexpected,
-                device_map=load.device_map,
-                rename=_renamer(model, load.key_mapping),
-                offload=None,
-                place=_unquantized_notice(engine, model, load.quantizer),
-                state_dict=load.state_dict,  # `from_pretrained(..., state_dict=)`: converted like files
+                LoadRequest(
+                    model=model,
+                    checkpoint_files=load.files,
+                    missing_keys=still_missing,
+                    unexpected_keys=left_unexpected,
+                    device_map=load.device_map,
+                    rename=_renamer(model, load.key_mapping),
+                    place=_unquantized_notice(engine, model, load.quantizer),
+                    state_dict=load.state_dict,  # `from_pretrained(..., state_dict=)`: converted like files
+                )
             )
             load.consumed |= set(unexpected) - left_unexpected
             # Consumed keys stay "unexpected" until the shards are loaded, so transformers does not try

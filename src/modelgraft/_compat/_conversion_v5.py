@@ -34,7 +34,7 @@ import torch
 from transformers import conversion_mapping as _tcm  # type: ignore[attr-defined, unused-ignore]
 from transformers import core_model_loading as _tcore  # type: ignore[attr-defined, unused-ignore]
 
-from modelgraft._compat.engine import ConversionEngine
+from modelgraft._compat.engine import ConversionEngine, LoadRequest
 from modelgraft._compat.wraps import WrapGroup
 
 __all__ = [
@@ -154,15 +154,19 @@ def _wrap_load_pretrained_model(engine: ConversionEngine) -> Any:
                     offload_weight(tensor, key, getattr(load_config, "disk_offload_folder", None), offloaded)
 
                 engine.load(
-                    model,
-                    checkpoint_files,
-                    loading_info.missing_keys,
-                    loading_info.unexpected_keys,
-                    device_map=getattr(load_config, "device_map", None),
-                    rename=_renamer(getattr(load_config, "weight_mapping", None) or []),
-                    offload=offload,
-                    place=_quantizing_placer(model, getattr(load_config, "hf_quantizer", None), loading_info),
-                    state_dict=state_dict,  # `from_pretrained(..., state_dict=)`: converted like files
+                    LoadRequest(
+                        model=model,
+                        checkpoint_files=checkpoint_files,
+                        missing_keys=loading_info.missing_keys,
+                        unexpected_keys=loading_info.unexpected_keys,
+                        device_map=getattr(load_config, "device_map", None),
+                        rename=_renamer(getattr(load_config, "weight_mapping", None) or []),
+                        offload=offload,
+                        place=_quantizing_placer(
+                            model, getattr(load_config, "hf_quantizer", None), loading_info
+                        ),
+                        state_dict=state_dict,  # `from_pretrained(..., state_dict=)`: converted like files
+                    )
                 )
                 if offloaded and offload_index is None:
                     offload_index = offloaded
