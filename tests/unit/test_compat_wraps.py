@@ -102,8 +102,8 @@ def test_uninstall_removes_every_site_and_install_puts_them_back() -> None:
     hooks.uninstall()
     try:
         assert not _wrapped_attributes()
-        assert not (_compat.loaders_installed() or _compat.construction_step_installed())
-        assert not _compat.conversion_wiring_installed()
+        assert not (_compat.LOADERS.installed or _compat.CONSTRUCTION.installed)
+        assert not _compat.CONVERSION.installed
     finally:
         hooks.install()
     assert all(is_wrapped(_held(s)) for s in HERE)

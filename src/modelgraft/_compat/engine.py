@@ -1,9 +1,13 @@
-"""The interface the conversion engine offers the version layer (dependency inversion).
+"""The seam between transformers' load and save steps and modelgraft's conversion engine.
 
-:mod:`modelgraft._compat` sits below the rest of modelgraft and imports nothing above it, yet its
-wiring of transformers' load and save steps must call the conversion engine. The engine
-(:mod:`modelgraft.conversion`) therefore implements :class:`ConversionEngine` and hands itself to
-:func:`modelgraft._compat.loading.install`; the wiring only ever sees this interface.
+The version layer knows *where* transformers loads and saves (the ``conversion`` sites of
+:mod:`modelgraft._compat.wraps`); the engine (:mod:`modelgraft.conversion`) knows *what* to do
+there. :mod:`modelgraft._compat` sits below the rest of modelgraft and imports nothing above it,
+so the dependency is inverted: the engine implements :class:`ConversionEngine` and, when it
+installs itself, hands itself to ``TRANSFORMERS.conversion_wrappers(engine)`` (the wiring of the
+installed line, :mod:`._conversion_v5` or :mod:`._conversion_v4`), whose wrappers go into
+``wraps.CONVERSION``. The wiring only ever sees this interface; each load reaches the engine as
+one :class:`LoadRequest`.
 
 Example:
     >>> Reversed({}, ["lm_head.weight"], [""]).scope_paths

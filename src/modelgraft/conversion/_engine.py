@@ -1,7 +1,7 @@
 """The conversion engine as the version layer sees it (:class:`~modelgraft._compat.engine.ConversionEngine`).
 
 :func:`modelgraft.conversion.install` hands :data:`ENGINE` to
-:func:`modelgraft._compat.install_conversion_wiring`, which calls it from transformers' load and
+:meth:`modelgraft._compat.TransformersLine.conversion_wrappers`, whose wrappers call it from transformers' load and
 save steps. The dependency points down: ``_compat`` never imports the engine.
 
 Example:
