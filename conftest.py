@@ -19,8 +19,10 @@ from modelgraft import _compat
 _ROOT = Path(__file__).resolve().parent
 # path -> why it cannot be collected on the other line
 _V5_ONLY = {
-    "src/modelgraft/_compat/_loading_v5.py": "wires the conversion engine into transformers 5.x "
-    "(`conversion_mapping`, `revert_weight_conversion`); 4.57 uses `modelgraft/_compat/_loading_v4.py`",
+    "src/modelgraft/_compat/_conversion_v5.py": "wires the conversion engine into transformers 5.x "
+    "(`conversion_mapping`, `revert_weight_conversion`); 4.57 uses `modelgraft/_compat/_conversion_v4.py`",
+    "src/modelgraft/_compat/_v5.py": "the transformers 5.x line (it re-exports `_conversion_v5`'s wiring); "
+    "4.57 uses `modelgraft/_compat/_v4.py`",
 }
 _NOT_HERE = {} if _compat.IS_V5 else _V5_ONLY
 if importlib.util.find_spec("trl") is None:  # the `trl` extra (TRL needs Python 3.11+)

@@ -203,7 +203,7 @@ def moe_model_types() -> tuple[str, ...]:
             source = handle.read()
         if not (
             _ROUTER_DEF.search(source) and _EXPERTS_DEF.search(source)
-        ) and not _compat.defines_layout_moe(source):
+        ) and not _compat.TRANSFORMERS.defines_layout_moe(source):
             continue
         module = os.path.basename(os.path.dirname(path))
         types = by_module.get(module, [])

@@ -301,7 +301,7 @@ def inspect_architecture(target: str) -> dict[str, Any]:
     # Meta tensors have shapes but no storage, so even a 70B config builds in a fraction of a second;
     # a plain constructor call (not from_config) keeps registered patches out of what we describe.
     try:
-        with _compat.meta_device():
+        with _compat.TRANSFORMERS.meta_device():
             model = model_cls(config)
     except Exception as exc:
         raise TargetError(

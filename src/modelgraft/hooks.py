@@ -229,7 +229,7 @@ def _wrap_initialize_weights(original: Callable[..., Any]) -> Callable[..., Any]
 
 @contextmanager
 def _construction_step() -> Iterator[None]:
-    """Entered by transformers right around construction (``_compat.install_construction_step``)."""
+    """Entered by transformers right around construction (``_compat.TRANSFORMERS.construction_wrappers``)."""
     load = _active_load.get()
     with swap.LOCK:
         # Never a fresh snapshot inside a load: its construction uses the snapshot it started with.
@@ -241,15 +241,15 @@ def _construction_step() -> Iterator[None]:
 # ---- installation ----------------------------------------------------------------------------------
 def installed() -> bool:
     """Whether the load hooks are in place."""
-    return _compat.loaders_installed()
+    return _compat.LOADERS.installed
 
 
 def install() -> None:
     """Install every group of wrappers, in the order of ``_compat.wraps.GROUPS`` (idempotent)."""
     if not installed():
         # Before the loaders: on transformers 4.57 the step wraps `_from_config` underneath them.
-        _compat.install_construction_step(_construction_step)
-        _compat.install_loaders(
+        _compat.CONSTRUCTION.install(_compat.TRANSFORMERS.construction_wrappers(_construction_step))
+        _compat.LOADERS.install(
             {
                 "from_pretrained": _wrap_from_pretrained,
                 "_from_config": _wrap_from_config,
@@ -265,5 +265,5 @@ def uninstall() -> None:
     conversion.uninstall()
     recorders.uninstall_instance_lookup()
     if installed():
-        _compat.uninstall_loaders()
-        _compat.uninstall_construction_step()
+        _compat.LOADERS.uninstall()
+        _compat.CONSTRUCTION.uninstall()

@@ -283,7 +283,7 @@ def _targets_from_meta_rebuild(model: torch.nn.Module, snap: Snapshot) -> list[_
     # The overlay keeps the snapshot's keys in the snapshot's order, so each class resolves to
     # the same key as under the real patches; the recording subclasses only add bookkeeping.
     with registry.scoped(overlay) as rec_snap, swap.LOCK, swap.Swap(rec_snap, (type(model),)):
-        with _compat.meta_device():
+        with _compat.TRANSFORMERS.meta_device():
             shadow = type(model)(model.config)
     targets: list[_Target] = []
     skip: str | None = None

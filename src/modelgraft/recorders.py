@@ -37,14 +37,14 @@ def install_instance_lookup() -> None:
     """Make transformers' recorder lookup consult the model instance first (idempotent).
 
     A model whose ``__dict__`` holds ``_can_record_outputs`` then records with that map; see
-    :func:`modelgraft._compat.install_recorder_lookup`. Undone by :func:`uninstall_instance_lookup`.
+    :meth:`modelgraft._compat.TransformersLine.recorder_wrappers`. Undone by :func:`uninstall_instance_lookup`.
     """
-    _compat.install_recorder_lookup()
+    _compat.RECORDERS.install(_compat.TRANSFORMERS.recorder_wrappers())
 
 
 def uninstall_instance_lookup() -> None:
     """Remove what :func:`install_instance_lookup` added."""
-    _compat.uninstall_recorder_lookup()
+    _compat.RECORDERS.uninstall()
 
 
 # ---- patching -----------------------------------------------------------------------------------
@@ -146,6 +146,6 @@ def patch_output_recorders(
         if any(new[name] is not spec for name, spec in recorders.items()):
             # An instance attribute: the class-level dict stays as transformers defined it.
             object.__setattr__(module, _ATTR, new)
-            _compat.track_instance_recorders(module)
+            _compat.TRANSFORMERS.track_instance_recorders(module)
             patched += 1
     return patched

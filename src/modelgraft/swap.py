@@ -284,7 +284,9 @@ class Swap:
                 self._applied_log.append(self._applied[-1])
                 self._note(current, replacement, key)
             swapped = {a[2]: a[3] for a in self._applied if a[0] is module}
-            self._tables += _compat.rebind_class_tables(module, swapped)  # 4.57 `*_CLASSES` tables
+            self._tables += _compat.TRANSFORMERS.rebind_class_tables(
+                module, swapped
+            )  # 4.57 `*_CLASSES` tables
 
     def _note(self, original: type, replacement: type, key: str) -> None:
         self.replaced_by.setdefault(replacement, {})[f"{original.__module__}.{original.__qualname__}"] = key

@@ -219,7 +219,7 @@ def _original(model: torch.nn.Module) -> _Original | None:
         try:
             import copy
 
-            with _originals_bound(), _compat.meta_device():
+            with _originals_bound(), _compat.TRANSFORMERS.meta_device():
                 original = type(model)(copy.deepcopy(config))
             state = original.state_dict()
             checkpoint = _revert_builtin(original, dict(state))

@@ -150,8 +150,8 @@ def _bind_instance_recorders(model: torch.nn.Module, recorders: dict) -> None:
     """Record outputs of ``model`` (and of no other model) with ``recorders``, as
     ``recorders.patch_output_recorders`` does: on the instance, looked up and tracked."""
     object.__setattr__(model, "_can_record_outputs", dict(recorders))
-    _compat.install_recorder_lookup()
-    _compat.track_instance_recorders(model)
+    _compat.RECORDERS.install(_compat.TRANSFORMERS.recorder_wrappers())
+    _compat.TRANSFORMERS.track_instance_recorders(model)
 
 
 def _only_layer0_attention() -> dict:
@@ -258,7 +258,7 @@ def test_moe_router_candidates(model_type: str) -> None:
         **_MOE[model_type],
     )
     model = AutoModelForCausalLM.from_config(config)
-    found = list(_compat.moe_router_candidates(dict(model.named_modules())))
+    found = list(_compat.TRANSFORMERS.moe_router_candidates(dict(model.named_modules())))
     if IS_V5:
         assert found == []  # 5.x routers have their own classes, found by name in modelgraft.moe
         return
@@ -292,13 +292,13 @@ def test_construction_step_is_installed_with_modelgraft_and_fully_removable() ->
     from transformers import modeling_utils
 
     from modelgraft import hooks
-    from modelgraft._wrapping import is_wrapped as marked
+    from modelgraft._compat._wrapping import is_wrapped as marked
 
     before_v5 = modeling_utils.__dict__.get("apply_patches")
-    assert _compat.construction_step_installed()
+    assert _compat.CONSTRUCTION.installed
     hooks.uninstall()
     try:
-        assert not _compat.construction_step_installed()
+        assert not _compat.CONSTRUCTION.installed
         for name in ("get_init_context", "_from_config", "from_pretrained"):
             assert not marked(PreTrainedModel.__dict__[name]), name
         if IS_V5:
@@ -308,7 +308,7 @@ def test_construction_step_is_installed_with_modelgraft_and_fully_removable() ->
         assert type(model.layers[0].self_attn).__name__ == "LlamaAttention"
     finally:
         hooks.install()
-    assert _compat.construction_step_installed()
+    assert _compat.CONSTRUCTION.installed
     assert marked(PreTrainedModel.__dict__["_from_config"])
 
 

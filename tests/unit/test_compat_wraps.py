@@ -19,8 +19,8 @@ import pytest
 import modelgraft  # noqa: F401  (installs the wrappers)
 from _versions import TRANSFORMERS_VERSION
 from modelgraft import _compat, hooks
+from modelgraft._compat._wrapping import WRAPPED_MARK, is_wrapped
 from modelgraft._compat.wraps import GROUPS, SITES, Site, WrapGroup, owner_of, sites
-from modelgraft._wrapping import WRAPPED_MARK, is_wrapped
 
 HERE = sites()  # the sites of the installed transformers
 
@@ -102,8 +102,8 @@ def test_uninstall_removes_every_site_and_install_puts_them_back() -> None:
     hooks.uninstall()
     try:
         assert not _wrapped_attributes()
-        assert not (_compat.loaders_installed() or _compat.construction_step_installed())
-        assert not _compat.conversion_wiring_installed()
+        assert not (_compat.LOADERS.installed or _compat.CONSTRUCTION.installed)
+        assert not _compat.CONVERSION.installed
     finally:
         hooks.install()
     assert all(is_wrapped(_held(s)) for s in HERE)

@@ -1,7 +1,7 @@
 """The conversion wiring: ``modelgraft.conversion.install``/``uninstall`` and the hooks they place.
 
 Unit tests of the wiring (``modelgraft.conversion``'s install/uninstall, ``modelgraft._compat``'s
-``conversion_wiring_installed``, ``modelgraft._wrapping``'s ``is_wrapped``), in their own file: they
+``CONVERSION`` wrap group, ``modelgraft._compat._wrapping``'s ``is_wrapped``), in their own file: they
 import those private modules directly, the one exception to tests using public names only (issue 14);
 everything else comes from the public namespaces.
 """
@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, modeling_utils
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from modelgraft import Concatenate, WeightConverter, _compat, conversion, patched, report
-from modelgraft._wrapping import is_wrapped
+from modelgraft._compat._wrapping import is_wrapped
 from modelgraft.grafts import fused_qkv_class
 
 #: The tiny llama of tests/integration/test_conversion_load.py (grouped-query attention, q/k/v biases).
@@ -41,10 +41,10 @@ def _save_tiny_llama(path: Path) -> torch.nn.Module:
 
 def test_conversion_hooks_can_be_removed_and_reinstalled(tmp_path):
     _save_tiny_llama(tmp_path)
-    assert _compat.conversion_wiring_installed()  # the wiring for the installed transformers (4.57 or 5.x)
+    assert _compat.CONVERSION.installed  # the wiring for the installed transformers (4.57 or 5.x)
     conversion.uninstall()
     try:
-        assert not _compat.conversion_wiring_installed()
+        assert not _compat.CONVERSION.installed
         wrapped = [modeling_utils.PreTrainedModel.__dict__["post_init"]]
         if _compat.HAS_BUILTIN_CONVERSION:
             wrapped.append(modeling_utils.get_model_conversion_mapping)
@@ -55,7 +55,7 @@ def test_conversion_hooks_can_be_removed_and_reinstalled(tmp_path):
     finally:
         conversion.install()
         conversion.install()  # idempotent
-    assert _compat.conversion_wiring_installed()
+    assert _compat.CONVERSION.installed
     with patched(FUSED, conversions={"llama": [QKV]}):
         model = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert len(report(model).conversions) == 4

@@ -1,4 +1,5 @@
-"""transformers 4.57 specifics behind :mod:`modelgraft._compat` (imported only on 4.x).
+"""transformers 4.57 behind :mod:`modelgraft._compat`: its :class:`~modelgraft._compat.line.TransformersLine`
+(imported only on 4.x; bound as :data:`modelgraft._compat.TRANSFORMERS`).
 
 Output recorders: 4.57 keeps ``_can_record_outputs`` in a plain ``dict``,
 ``transformers.utils.generic._CAN_RECORD_REGISTRY``, keyed by ``str(model.__class__)`` and read
@@ -16,13 +17,13 @@ MoE: in 4.57 the router of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (and others) is 
 ``nn.Linear`` named ``gate`` inside the sparse-MoE block, whose forward does the softmax and
 top-k; the experts are an ``nn.ModuleList`` of per-expert MLPs.
 
-The attributes replaced here are the ``construction`` and ``recorders`` sites of
-:mod:`modelgraft._compat.wraps`.
+The wrappers made here are those of the ``construction`` and ``recorders`` sites of
+:mod:`modelgraft._compat.wraps`; the ``conversion`` ones come from
+:mod:`modelgraft._compat._conversion_v4`.
 
 Example:
-    >>> from modelgraft import _compat
-    >>> _compat.TRANSFORMERS_MAJOR in (4, 5)
-    True
+    >>> sorted(construction_wrappers(step=None)), sorted(recorder_wrappers())
+    (['_from_config', 'get_init_context'], ['_CAN_RECORD_REGISTRY'])
 """
 
 from __future__ import annotations
@@ -36,16 +37,26 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from modelgraft._compat.wraps import WrapGroup
+from modelgraft._compat._conversion_v4 import conversion_wrappers
+from modelgraft._compat.wraps import Makers
 from modelgraft._forksafe import ForkSafeLock
+
+__all__ = [
+    "construction_wrappers",
+    "conversion_wrappers",
+    "defines_layout_moe",
+    "meta_device",
+    "moe_router_candidates",
+    "rebind_class_tables",
+    "recorder_wrappers",
+    "track_instance_recorders",
+]
 
 _ATTR = "_can_record_outputs"
 _HOOKS_ATTR = "_modelgraft_recorder_hooks"
 _ROUTER_NAMES = ("gate", "router")
 _ROUTER_CLASS = re.compile(r"(Router|Gate|Gating)$")
 _LOCK = ForkSafeLock()
-_step_wrappers = WrapGroup("construction")
-_lookup_wrappers = WrapGroup("recorders")
 
 # Bound models whose forward is running, innermost last (per thread and per asyncio task).
 _RUNNING: ContextVar[tuple[nn.Module, ...]] = ContextVar("modelgraft_running_models", default=())
@@ -64,8 +75,8 @@ class _InstanceAwareRegistry(dict[Any, Any]):
         return super().get(key, default)
 
 
-def install_recorder_lookup() -> None:
-    """See :func:`modelgraft._compat.install_recorder_lookup`.
+def recorder_wrappers() -> Makers:
+    """See :meth:`~modelgraft._compat.line.TransformersLine.recorder_wrappers`.
 
     The registry is a plain ``dict`` (its class cannot change in place), so both modules that
     hold it (``transformers.utils.generic`` and ``transformers.modeling_utils``) get one
@@ -84,12 +95,7 @@ def install_recorder_lookup() -> None:
             shared["plain"] = dict(replacement)
         return shared["plain"]
 
-    _lookup_wrappers.install({"_CAN_RECORD_REGISTRY": (replace, restore)})
-
-
-def uninstall_recorder_lookup() -> None:
-    """See :func:`modelgraft._compat.uninstall_recorder_lookup`."""
-    _lookup_wrappers.uninstall()
+    return {"_CAN_RECORD_REGISTRY": (replace, restore)}
 
 
 def _push(model: nn.Module, args: Any) -> None:
@@ -109,7 +115,7 @@ def _pop(model: nn.Module, args: Any, output: Any) -> None:
 
 
 def track_instance_recorders(model: nn.Module) -> None:
-    """See :func:`modelgraft._compat.track_instance_recorders`."""
+    """Add forward hooks to ``model`` that mark it as running in this thread or task (idempotent)."""
     with _LOCK:
         if _HOOKS_ATTR not in model.__dict__:
             model.__dict__[_HOOKS_ATTR] = (
@@ -118,18 +124,14 @@ def track_instance_recorders(model: nn.Module) -> None:
             )
 
 
-def construction_step_installed() -> bool:
-    """See :func:`modelgraft._compat.construction_step_installed`."""
-    return _step_wrappers.installed
-
-
-def install_construction_step(step: Callable[[], AbstractContextManager[Any]]) -> None:
-    """See :func:`modelgraft._compat.install_construction_step`.
+def construction_wrappers(step: Callable[[], AbstractContextManager[Any]]) -> Makers:
+    """See :meth:`~modelgraft._compat.line.TransformersLine.construction_wrappers`.
 
     4.57 ``from_pretrained`` enters the list returned by ``get_init_context`` right around
     ``cls(config)``, so ``step()`` is appended to it. 4.57 ``_from_config`` only sets the default
-    dtype and calls ``cls(config)``, so ``step()`` wraps all of it: install this *before*
-    wrapping ``_from_config`` yourself, so that it runs inside your wrapper.
+    dtype and calls ``cls(config)``, so ``step()`` wraps all of it: install these *before*
+    wrapping ``_from_config`` yourself, so that they run inside your wrapper (and remove them after
+    yours: each attribute is restored only where it still holds this wrapper).
     """
 
     def wrap_init_context(original: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
@@ -145,20 +147,12 @@ def install_construction_step(step: Callable[[], AbstractContextManager[Any]]) -
 
         return _from_config
 
-    _step_wrappers.install({"get_init_context": wrap_init_context, "_from_config": wrap_from_config})
-
-
-def uninstall_construction_step() -> None:
-    """See :func:`modelgraft._compat.uninstall_construction_step`.
-
-    Restores each method only where it is still this module's wrapper (undo your own wrapper of
-    ``_from_config`` first).
-    """
-    _step_wrappers.uninstall()
+    return {"get_init_context": wrap_init_context, "_from_config": wrap_from_config}
 
 
 def moe_router_candidates(modules: Mapping[str, nn.Module]) -> Iterator[tuple[str, nn.Module, nn.Module]]:
-    """See :func:`modelgraft._compat.moe_router_candidates`.
+    """The gates of 4.57's per-expert MoE blocks (see
+    :meth:`~modelgraft._compat.line.TransformersLine.moe_router_candidates`).
 
     A candidate is a child named ``gate`` or ``router`` next to an ``experts`` ``ModuleList``: an
     ``nn.Linear``-like gate with a 2D ``weight`` of one row per expert, or a router class
@@ -184,7 +178,7 @@ def moe_router_candidates(modules: Mapping[str, nn.Module]) -> Iterator[tuple[st
 def rebind_class_tables(
     module: Any, swapped: Mapping[type, type]
 ) -> list[tuple[dict[Any, Any], Any, type, type]]:
-    """See :func:`modelgraft._compat.rebind_class_tables`."""
+    """See :meth:`~modelgraft._compat.line.TransformersLine.rebind_class_tables`."""
     log: list[tuple[dict[Any, Any], Any, type, type]] = []
     if not swapped:
         return log
@@ -207,12 +201,13 @@ _ROUTER_SRC = re.compile(r"self\.(gate|router)\s*=\s*nn\.Linear\(|^class \w+(Rou
 
 
 def defines_layout_moe(source: str) -> bool:
-    """See :func:`modelgraft._compat.defines_layout_moe`."""
+    """A ``ModuleList`` of experts next to an ``nn.Linear`` gate or a router class."""
     return bool(_EXPERT_LIST_SRC.search(source) and _ROUTER_SRC.search(source))
 
 
 def meta_device() -> AbstractContextManager[Any]:
-    """See :func:`modelgraft._compat.meta_device`."""
+    """transformers' ``init_empty_weights``, parameters only (see
+    :meth:`~modelgraft._compat.line.TransformersLine.meta_device`)."""
     # 4.x only; the 5.x line no longer has it (`unused-ignore`: type-checked on both lines)
     from transformers.integrations.accelerate import (  # type: ignore[attr-defined, unused-ignore]
         init_empty_weights,

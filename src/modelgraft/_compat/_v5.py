@@ -1,4 +1,5 @@
-"""transformers 5.x specifics behind :mod:`modelgraft._compat` (imported only on 5.x).
+"""transformers 5.x behind :mod:`modelgraft._compat`: its :class:`~modelgraft._compat.line.TransformersLine`
+(imported only on 5.x; bound as :data:`modelgraft._compat.TRANSFORMERS`).
 
 Output recorders: 5.x keeps ``_can_record_outputs`` in ``_CAN_RECORD_REGISTRY``
 (``transformers.utils.output_capturing``), a ``dict`` subclass keyed by class name whose
@@ -8,13 +9,13 @@ enough to make recorders per instance.
 Construction: ``from_pretrained`` and ``_from_config`` enter transformers' own ``apply_patches()``
 (a global of ``transformers.modeling_utils``) right around ``cls(config)``.
 
-The attributes replaced here are the ``construction`` and ``recorders`` sites of
-:mod:`modelgraft._compat.wraps`.
+The wrappers made here are those of the ``construction`` and ``recorders`` sites of
+:mod:`modelgraft._compat.wraps`; the ``conversion`` ones come from
+:mod:`modelgraft._compat._conversion_v5`.
 
 Example:
-    >>> from modelgraft import _compat
-    >>> _compat.IS_V5 or True  # this module is only imported on 5.x
-    True
+    >>> sorted(construction_wrappers(step=None)), sorted(recorder_wrappers())
+    (['apply_patches'], ['get'])
 """
 
 from __future__ import annotations
@@ -26,11 +27,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from modelgraft._compat.wraps import WrapGroup
+from modelgraft._compat._conversion_v5 import conversion_wrappers
+from modelgraft._compat.wraps import Makers
+
+__all__ = [
+    "construction_wrappers",
+    "conversion_wrappers",
+    "defines_layout_moe",
+    "meta_device",
+    "moe_router_candidates",
+    "rebind_class_tables",
+    "recorder_wrappers",
+    "track_instance_recorders",
+]
 
 _ATTR = "_can_record_outputs"
-_lookup_wrappers = WrapGroup("recorders")
-_step_wrappers = WrapGroup("construction")
 
 
 def _wrap_registry_get(class_get: Callable[..., dict[Any, Any]]) -> Callable[..., dict[Any, Any]]:
@@ -41,31 +52,21 @@ def _wrap_registry_get(class_get: Callable[..., dict[Any, Any]]) -> Callable[...
     return get
 
 
-def install_recorder_lookup() -> None:
-    """See :func:`modelgraft._compat.install_recorder_lookup`.
+def recorder_wrappers() -> Makers:
+    """See :meth:`~modelgraft._compat.line.TransformersLine.recorder_wrappers`.
 
     The registry is a ``dict`` subclass whose ``get(model)`` receives the instance; shadowing the
     bound ``get`` on that one object (an instance attribute) changes no class and is easy to undo.
     """
-    _lookup_wrappers.install({"get": _wrap_registry_get})
-
-
-def uninstall_recorder_lookup() -> None:
-    """See :func:`modelgraft._compat.uninstall_recorder_lookup`."""
-    _lookup_wrappers.uninstall()
+    return {"get": _wrap_registry_get}
 
 
 def track_instance_recorders(model: nn.Module) -> None:
     """Nothing to do: the 5.x lookup receives the instance."""
 
 
-def construction_step_installed() -> bool:
-    """See :func:`modelgraft._compat.construction_step_installed`."""
-    return _step_wrappers.installed
-
-
-def install_construction_step(step: Callable[[], AbstractContextManager[Any]]) -> None:
-    """See :func:`modelgraft._compat.install_construction_step`.
+def construction_wrappers(step: Callable[[], AbstractContextManager[Any]]) -> Makers:
+    """See :meth:`~modelgraft._compat.line.TransformersLine.construction_wrappers`.
 
     ``from_pretrained`` (through ``get_init_context``) and ``_from_config`` call the module global
     ``apply_patches()`` of ``transformers.modeling_utils`` right around ``cls(config)``; replacing
@@ -80,29 +81,24 @@ def install_construction_step(step: Callable[[], AbstractContextManager[Any]]) -
 
         return construction_site
 
-    _step_wrappers.install({"apply_patches": wrap})
-
-
-def uninstall_construction_step() -> None:
-    """See :func:`modelgraft._compat.uninstall_construction_step`."""
-    _step_wrappers.uninstall()
+    return {"apply_patches": wrap}
 
 
 def moe_router_candidates(modules: Mapping[str, nn.Module]) -> Iterator[tuple[str, nn.Module, nn.Module]]:
-    """See :func:`modelgraft._compat.moe_router_candidates`: every 5.x router has its own class."""
+    """Nothing: every 5.x router has its own class, found by name in :mod:`modelgraft.moe`."""
     return iter(())
 
 
 def rebind_class_tables(module: Any, swapped: Mapping[type, type]) -> list[Any]:
-    """See :func:`modelgraft._compat.rebind_class_tables`: nothing to do on 5.x."""
+    """Nothing to do: 5.x dispatches attention by name inside one class."""
     return []
 
 
 def defines_layout_moe(source: str) -> bool:
-    """See :func:`modelgraft._compat.defines_layout_moe`: no such layout on 5.x."""
+    """Never: no such layout on 5.x."""
     return False
 
 
 def meta_device() -> AbstractContextManager[Any]:
-    """See :func:`modelgraft._compat.meta_device`."""
+    """``torch.device("meta")``: parameters and buffers on the meta device."""
     return torch.device("meta")

@@ -1,28 +1,65 @@
-"""The interface the conversion engine offers the version layer (dependency inversion).
+"""The seam between transformers' load and save steps and modelgraft's conversion engine.
 
-:mod:`modelgraft._compat` sits below the rest of modelgraft and imports nothing above it, yet its
-wiring of transformers' load and save steps must call the conversion engine. The engine
-(:mod:`modelgraft.conversion`) therefore implements :class:`ConversionEngine` and hands itself to
-:func:`modelgraft._compat.loading.install`; the wiring only ever sees this interface.
+The version layer knows *where* transformers loads and saves (the ``conversion`` sites of
+:mod:`modelgraft._compat.wraps`); the engine (:mod:`modelgraft.conversion`) knows *what* to do
+there. :mod:`modelgraft._compat` sits below the rest of modelgraft and imports nothing above it,
+so the dependency is inverted: the engine implements :class:`ConversionEngine` and, when it
+installs itself, hands itself to ``TRANSFORMERS.conversion_wrappers(engine)`` (the wiring of the
+installed line, :mod:`._conversion_v5` or :mod:`._conversion_v4`), whose wrappers go into
+``wraps.CONVERSION``. The wiring only ever sees this interface; each load reaches the engine as
+one :class:`LoadRequest`.
 
 Example:
     >>> Reversed({}, ["lm_head.weight"], [""]).scope_paths
     ['']
+    >>> import torch
+    >>> request = LoadRequest(model=torch.nn.Linear(1, 1), checkpoint_files=None, missing_keys=set(),
+    ...                       unexpected_keys=set())
+    >>> request.device_map, request.state_dict
+    (None, None)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
 
-__all__ = ["ConversionEngine", "Offload", "Place", "Reversed"]
+__all__ = ["ConversionEngine", "LoadRequest", "Offload", "Place", "Reversed"]
 
 #: ``offload(key, tensor)``: write a converted weight to the loader's offload folder.
 Offload = Callable[[str, torch.Tensor], None]
 #: ``place(key, tensor) -> bool``: put a converted weight into the model itself (a quantizer does).
 Place = Callable[[str, torch.Tensor], bool]
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class LoadRequest:
+    """One load as transformers' loader hands it to the engine (see :meth:`ConversionEngine.load`).
+
+    The wiring of each transformers line gathers these from its loader's arguments. Frozen: the
+    engine cannot rebind a field, but it updates the two key sets in place (that is its answer).
+    """
+
+    model: torch.nn.Module
+    #: The checkpoint's safetensors files, or ``None`` when the load reads from ``state_dict``.
+    checkpoint_files: Sequence[str] | None
+    #: Keys of ``model`` that transformers found no tensor for; filled ones are removed.
+    missing_keys: set[str]
+    #: Checkpoint keys that fit no parameter; those a conversion consumes are removed.
+    unexpected_keys: set[str]
+    #: The loader's ``device_map`` (module prefix -> device, ``"disk"`` or ``"cpu"``).
+    device_map: Mapping[str, object] | None = None
+    #: The loader's own key renamings (legacy layouts), applied to checkpoint keys first.
+    rename: Callable[[str], str] | None = None
+    #: Where a converted weight whose device is ``"disk"`` goes.
+    offload: Offload | None = None
+    #: A quantizing loader's hook for converted weights.
+    place: Place | None = None
+    #: The tensors of ``from_pretrained(..., state_dict=)``, converted like files.
+    state_dict: Mapping[str, torch.Tensor] | None = None
 
 
 class Reversed(NamedTuple):
@@ -55,20 +92,8 @@ class ConversionEngine(Protocol):
         """Attach the entries visible now to a model just built, for a later save."""
         ...
 
-    def load(
-        self,
-        model: torch.nn.Module,
-        checkpoint_files: Sequence[str] | None,
-        missing_keys: set[str],
-        unexpected_keys: set[str],
-        *,
-        device_map: Mapping[str, object] | None,
-        rename: Callable[[str], str] | None,
-        offload: Offload | None,
-        place: Place | None,
-        state_dict: Mapping[str, torch.Tensor] | None,
-    ) -> None:
-        """Fill the missing converted parameters; update both key sets in place."""
+    def load(self, request: LoadRequest) -> None:
+        """Fill the request's missing converted parameters; update both key sets in place."""
         ...
 
     def reverse(self, model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> Reversed | None:

@@ -23,11 +23,14 @@ from modelgraft._compat._version import HAS_BUILTIN_CONVERSION
 
 __all__ = [
     "auto_model_class",
+    "builtin_checkpoint_conversions",
+    "builtin_conversion_exists",
     "causal_lm_loss",
     "default_apply_gate",
     "model_types_by_module",
     "modeling_files",
     "revert_builtin_conversion",
+    "transformers_load_info_class",
 ]
 
 #: What ``auto_model_class`` accepts, and the Auto class each kind stands for.
@@ -106,6 +109,61 @@ def revert_builtin_conversion(
     if not isinstance(model, PreTrainedModel):
         return None
     return cast("dict[str, torch.Tensor]", revert_weight_conversion(model, dict(state)))
+
+
+def builtin_conversion_exists(key: str) -> bool:
+    """Whether the installed transformers converts checkpoints of ``key`` (a model type or class
+    name) itself: a registration under that key then replaces transformers' own entry.
+
+    Example:
+        >>> builtin_conversion_exists("qwen2_moe") == HAS_BUILTIN_CONVERSION
+        True
+    """
+    if not HAS_BUILTIN_CONVERSION:
+        return False
+    # 5.x only (`unused-ignore`: the lines type-check on both lines)
+    from transformers.conversion_mapping import (  # type: ignore[import-not-found, unused-ignore]
+        get_checkpoint_conversion_mapping,
+    )
+
+    return get_checkpoint_conversion_mapping(key) is not None  # type: ignore[no-untyped-call, unused-ignore]
+
+
+def builtin_checkpoint_conversions(model_type: str) -> list[Any]:
+    """transformers' own conversion entries for ``model_type`` (its ``WeightConverter``/``WeightRenaming``).
+
+    Empty on 4.57, which converts no checkpoint layout, and for model types 5.x does not convert.
+
+    Example:
+        >>> (len(builtin_checkpoint_conversions("qwen2_moe")) > 0) == HAS_BUILTIN_CONVERSION
+        True
+        >>> builtin_checkpoint_conversions("llama")
+        []
+    """
+    if not HAS_BUILTIN_CONVERSION:
+        return []
+    # 5.x only (`unused-ignore`: the lines type-check on both lines)
+    from transformers.conversion_mapping import (  # type: ignore[import-not-found, unused-ignore]
+        get_checkpoint_conversion_mapping,
+    )
+
+    return list(get_checkpoint_conversion_mapping(model_type) or [])  # type: ignore[no-untyped-call, unused-ignore]
+
+
+def transformers_load_info_class() -> Any:
+    """transformers' ``LoadStateDictInfo`` (what its state-dict loader returns), or ``None`` on 4.57.
+
+    Example:
+        >>> (transformers_load_info_class() is None) == (not HAS_BUILTIN_CONVERSION)
+        True
+    """
+    try:
+        from transformers.utils.loading_report import (  # type: ignore[import-not-found, unused-ignore]
+            LoadStateDictInfo,  # 5.x only
+        )
+    except ImportError:
+        return None
+    return LoadStateDictInfo
 
 
 def model_types_by_module() -> dict[str, list[str]]:

@@ -15,15 +15,21 @@ groups, installed in this order by :func:`modelgraft.hooks.install` and removed 
 4. ``conversion``: the load and save steps where the conversion engine fills converted
    parameters and writes the original layout back.
 
-Each group is installed through one :class:`WrapGroup` (a :class:`~modelgraft._wrapping.Wrappers`
-set): all of its sites or none, and on removal an attribute is restored only where it still holds
-modelgraft's wrapper.
+Each group has one :class:`WrapGroup` (a :class:`~modelgraft._compat._wrapping.Wrappers` set):
+:data:`CONSTRUCTION`, :data:`LOADERS`, :data:`RECORDERS` and :data:`CONVERSION`. It installs all of
+its sites or none, and on removal restores an attribute only where it still holds modelgraft's
+wrapper. The wrappers come from the installed transformers line
+(:data:`modelgraft._compat.TRANSFORMERS`), except the loaders' (:mod:`modelgraft.hooks`, the same
+on both lines): ``CONSTRUCTION.install(TRANSFORMERS.construction_wrappers(step))``.
 
 Example:
     >>> [s.attribute for s in sites("loaders")]
     ['from_pretrained', '_from_config', 'initialize_weights']
     >>> GROUPS
     ('construction', 'loaders', 'recorders', 'conversion')
+    >>> import modelgraft  # installs every group
+    >>> LOADERS.installed, CONVERSION.group
+    (True, 'conversion')
 """
 
 from __future__ import annotations
@@ -34,9 +40,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelgraft._compat._version import TRANSFORMERS_MAJOR
-from modelgraft._wrapping import Make, Restore, Wrappers
+from modelgraft._compat._wrapping import Make, Restore, Wrappers
 
-__all__ = ["GROUPS", "SITES", "Site", "WrapGroup", "owner_of", "sites"]
+__all__ = [
+    "CONSTRUCTION",
+    "CONVERSION",
+    "GROUPS",
+    "LOADERS",
+    "RECORDERS",
+    "SITES",
+    "Makers",
+    "Site",
+    "WrapGroup",
+    "owner_of",
+    "sites",
+]
+
+#: ``{attribute: make}`` (or ``{attribute: (make, restore)}``) for one group's sites; see
+#: :meth:`WrapGroup.install`.
+Makers = Mapping[str, Make | tuple[Make, Restore]]
 
 #: The groups, in installation order.
 GROUPS = ("construction", "loaders", "recorders", "conversion")
@@ -166,7 +188,7 @@ class WrapGroup:
     def installed(self) -> bool:
         return self._wrappers.installed
 
-    def install(self, makers: Mapping[str, Make | tuple[Make, Restore]]) -> None:
+    def install(self, makers: Makers) -> None:
         """Replace each site of the group by ``makers[attribute]`` (see :meth:`Wrappers.install`).
 
         ``makers`` must name exactly the group's attributes on the installed transformers; a value
@@ -190,3 +212,10 @@ class WrapGroup:
     def uninstall(self) -> None:
         """Restore what :meth:`install` replaced (idempotent)."""
         self._wrappers.uninstall()
+
+
+#: The one wrapper set of each group, in :data:`GROUPS` order.
+CONSTRUCTION = WrapGroup("construction")
+LOADERS = WrapGroup("loaders")
+RECORDERS = WrapGroup("recorders")
+CONVERSION = WrapGroup("conversion")

@@ -52,14 +52,14 @@ __all__ = [
 
 def install() -> None:
     """Wire the conversion engine into transformers' load and save paths (idempotent)."""
-    _compat.install_conversion_wiring(ENGINE)
+    _compat.CONVERSION.install(_compat.TRANSFORMERS.conversion_wrappers(ENGINE))
 
 
 def uninstall() -> None:
     """Remove what :func:`install` wired in (idempotent)."""
-    _compat.uninstall_conversion_wiring()
+    _compat.CONVERSION.uninstall()
 
 
 def installed() -> bool:
     """Whether the conversion engine is wired into transformers."""
-    return _compat.conversion_wiring_installed()
+    return _compat.CONVERSION.installed

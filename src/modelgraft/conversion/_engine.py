@@ -1,7 +1,7 @@
 """The conversion engine as the version layer sees it (:class:`~modelgraft._compat.engine.ConversionEngine`).
 
 :func:`modelgraft.conversion.install` hands :data:`ENGINE` to
-:func:`modelgraft._compat.install_conversion_wiring`, which calls it from transformers' load and
+:meth:`modelgraft._compat.TransformersLine.conversion_wrappers`, whose wrappers call it from transformers' load and
 save steps. The dependency points down: ``_compat`` never imports the engine.
 
 Example:
@@ -12,12 +12,12 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 
 from modelgraft import registry
-from modelgraft._compat.engine import Offload, Place, Reversed
+from modelgraft._compat.engine import LoadRequest, Reversed
 from modelgraft.conversion.load import apply_load_conversions, device_for_map
 from modelgraft.conversion.save import reverse_state_dict
 from modelgraft.conversion.scopes import remember_conversions, resolve_scopes
@@ -38,29 +38,17 @@ class _Engine:
     def remember(self, model: torch.nn.Module) -> None:
         remember_conversions(model)
 
-    def load(
-        self,
-        model: torch.nn.Module,
-        checkpoint_files: Sequence[str] | None,
-        missing_keys: set[str],
-        unexpected_keys: set[str],
-        *,
-        device_map: Mapping[str, object] | None,
-        rename: Callable[[str], str] | None,
-        offload: Offload | None,
-        place: Place | None,
-        state_dict: Mapping[str, torch.Tensor] | None,
-    ) -> None:
+    def load(self, request: LoadRequest) -> None:
         apply_load_conversions(
-            model,
-            checkpoint_files,
-            missing_keys,
-            unexpected_keys,
-            device_for_map(device_map),
-            rename,
-            offload,
-            place,
-            state_dict=state_dict,
+            request.model,
+            request.checkpoint_files,
+            request.missing_keys,
+            request.unexpected_keys,
+            device_for_map(request.device_map),
+            request.rename,
+            request.offload,
+            request.place,
+            state_dict=request.state_dict,
         )
 
     def reverse(self, model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> Reversed | None:

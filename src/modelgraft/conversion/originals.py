@@ -95,6 +95,6 @@ def _torch_dtypes(config: Any) -> Any:
 
 def original_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
     """Keys and shapes of the original (unpatched) model class, built on the meta device."""
-    with _originals_bound(), _compat.meta_device():
+    with _originals_bound(), _compat.TRANSFORMERS.meta_device():
         original = type(model)(_torch_dtypes(copy.deepcopy(model.config)))
     return {k: v.shape for k, v in original.state_dict().items()}

@@ -110,7 +110,7 @@ def meta_model(model_type: str) -> nn.Module:
             f"`{model_type}` has no base model class in transformers' `MODEL_MAPPING`; "
             "grafts support model types that `AutoModel` can build."
         )
-    with _META_LOCK, _compat.meta_device():
+    with _META_LOCK, _compat.TRANSFORMERS.meta_device():
         model: nn.Module = model_class(config)
     return model
 

@@ -142,7 +142,7 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
     found: list[MoELayer] = []
     modules = dict(model.named_modules())
     # Routers that only the installed layout has (4.57: an `nn.Linear` gate inside the MoE block).
-    layout_routers = {name: parent for name, _, parent in _compat.moe_router_candidates(modules)}
+    layout_routers = {name: parent for name, _, parent in _compat.TRANSFORMERS.moe_router_candidates(modules)}
     for name, module in modules.items():
         parent = layout_routers.get(name)
         if parent is None:

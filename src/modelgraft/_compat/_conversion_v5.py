@@ -1,7 +1,7 @@
 """The conversion engine's wiring into transformers 5.x (the counterpart of
-:mod:`modelgraft._compat._loading_v4`); see :mod:`modelgraft._compat.loading`.
+:mod:`modelgraft._compat._conversion_v4`); see :mod:`modelgraft._compat.engine`.
 
-The engine is the :class:`~modelgraft._compat.loading.ConversionEngine` given to :func:`install`;
+The engine is the :class:`~modelgraft._compat.engine.ConversionEngine` given to :func:`conversion_wrappers`;
 this module never imports it. Wrapped (the ``conversion`` sites of :mod:`modelgraft._compat.wraps`),
 in ``transformers.modeling_utils``:
 
@@ -16,8 +16,8 @@ in ``transformers.modeling_utils``:
   exactly and leaves the other keys to transformers.
 
 Example:
-    >>> from modelgraft._compat import _loading_v5
-    >>> _loading_v5.builtin_conversion_exists("qwen2_moe")
+    >>> from modelgraft._compat.wraps import sites
+    >>> sorted(conversion_wrappers(engine=None)) == sorted(s.attribute for s in sites("conversion", major=5))
     True
 """
 
@@ -34,34 +34,16 @@ import torch
 from transformers import conversion_mapping as _tcm  # type: ignore[attr-defined, unused-ignore]
 from transformers import core_model_loading as _tcore  # type: ignore[attr-defined, unused-ignore]
 
-from modelgraft._compat.engine import ConversionEngine
-from modelgraft._compat.wraps import WrapGroup
+from modelgraft._compat.engine import ConversionEngine, LoadRequest
+from modelgraft._compat.wraps import Makers
 
-__all__ = [
-    "builtin_checkpoint_conversions",
-    "builtin_conversion_exists",
-    "install",
-    "installed",
-    "uninstall",
-]
-
-_wrappers = WrapGroup("conversion")
+__all__ = ["conversion_wrappers"]
 
 # Set while a save applies transformers' built-in reverse to a state dict that modelgraft has
 # already brought back to the plain model's own layout: the built-ins must not be filtered then.
 _BUILTINS_UNFILTERED: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "modelgraft_builtins_unfiltered", default=False
 )
-
-
-def builtin_conversion_exists(key: str) -> bool:
-    """Whether the installed transformers has its own conversion entry for ``key``."""
-    return _tcm.get_checkpoint_conversion_mapping(key) is not None  # type: ignore[no-untyped-call, unused-ignore]
-
-
-def builtin_checkpoint_conversions(model_type: str) -> list[Any]:
-    """transformers' own conversion entries for ``model_type``."""
-    return list(_tcm.get_checkpoint_conversion_mapping(model_type) or [])  # type: ignore[no-untyped-call, unused-ignore]
 
 
 def _signature(transform: Any) -> tuple[Any, ...]:
@@ -154,15 +136,19 @@ def _wrap_load_pretrained_model(engine: ConversionEngine) -> Any:
                     offload_weight(tensor, key, getattr(load_config, "disk_offload_folder", None), offloaded)
 
                 engine.load(
-                    model,
-                    checkpoint_files,
-                    loading_info.missing_keys,
-                    loading_info.unexpected_keys,
-                    device_map=getattr(load_config, "device_map", None),
-                    rename=_renamer(getattr(load_config, "weight_mapping", None) or []),
-                    offload=offload,
-                    place=_quantizing_placer(model, getattr(load_config, "hf_quantizer", None), loading_info),
-                    state_dict=state_dict,  # `from_pretrained(..., state_dict=)`: converted like files
+                    LoadRequest(
+                        model=model,
+                        checkpoint_files=checkpoint_files,
+                        missing_keys=loading_info.missing_keys,
+                        unexpected_keys=loading_info.unexpected_keys,
+                        device_map=getattr(load_config, "device_map", None),
+                        rename=_renamer(getattr(load_config, "weight_mapping", None) or []),
+                        offload=offload,
+                        place=_quantizing_placer(
+                            model, getattr(load_config, "hf_quantizer", None), loading_info
+                        ),
+                        state_dict=state_dict,  # `from_pretrained(..., state_dict=)`: converted like files
+                    )
                 )
                 if offloaded and offload_index is None:
                     offload_index = offloaded
@@ -220,23 +206,12 @@ def _wrap_revert(engine: ConversionEngine) -> Any:
     return wrap
 
 
-def installed() -> bool:
-    """Whether the conversion wrappers are in place."""
-    return _wrappers.installed
-
-
-def install(engine: ConversionEngine) -> None:
-    """Install the load/save wrappers calling ``engine`` (idempotent)."""
-    _wrappers.install(
-        {
-            "get_model_conversion_mapping": _wrap_get_model_conversion_mapping(engine),
-            "revert_weight_conversion": _wrap_revert(engine),
-            "_load_pretrained_model": _wrap_load_pretrained_model(engine),
-            "post_init": _wrap_post_init(engine),
-        }
-    )
-
-
-def uninstall() -> None:
-    """Remove the load/save wrappers (idempotent)."""
-    _wrappers.uninstall()
+def conversion_wrappers(engine: ConversionEngine) -> Makers:
+    """The load/save wrappers calling ``engine``, for the ``conversion`` sites (see
+    :meth:`~modelgraft._compat.line.TransformersLine.conversion_wrappers`)."""
+    return {
+        "get_model_conversion_mapping": _wrap_get_model_conversion_mapping(engine),
+        "revert_weight_conversion": _wrap_revert(engine),
+        "_load_pretrained_model": _wrap_load_pretrained_model(engine),
+        "post_init": _wrap_post_init(engine),
+    }

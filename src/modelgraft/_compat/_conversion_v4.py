@@ -1,9 +1,9 @@
 """The conversion engine's wiring into transformers 4.57 (the counterpart of
-:mod:`modelgraft._compat._loading_v5`, which wires it into 5.x); see :mod:`modelgraft._compat.loading`.
+:mod:`modelgraft._compat._conversion_v5`, which wires it into 5.x); see :mod:`modelgraft._compat.engine`.
 
 4.57 has no conversion machinery of its own: one checkpoint key fills one parameter, and
 ``save_pretrained`` writes ``state_dict()`` as it is. The engine is the
-:class:`~modelgraft._compat.engine.ConversionEngine` given to :func:`install`; this module never
+:class:`~modelgraft._compat.engine.ConversionEngine` given to :func:`conversion_wrappers`; this module never
 imports it. Wrapped (the ``conversion`` sites of :mod:`modelgraft._compat.wraps`), in
 ``transformers.modeling_utils``:
 
@@ -20,9 +20,9 @@ imports it. Wrapped (the ``conversion`` sites of :mod:`modelgraft._compat.wraps`
   the default, as on 5.x) by reversing modelgraft's conversions in the state dict it saves.
 
 Example:
-    >>> from modelgraft._compat import _loading_v4
-    >>> _loading_v4.builtin_conversion_exists("qwen2_moe")
-    False
+    >>> from modelgraft._compat.wraps import sites
+    >>> sorted(conversion_wrappers(engine=None)) == sorted(s.attribute for s in sites("conversion", major=4))
+    True
 """
 
 from __future__ import annotations
@@ -34,18 +34,10 @@ from typing import Any
 
 import torch
 
-from modelgraft._compat.engine import ConversionEngine
-from modelgraft._compat.wraps import WrapGroup
+from modelgraft._compat.engine import ConversionEngine, LoadRequest
+from modelgraft._compat.wraps import Makers
 
-__all__ = [
-    "builtin_checkpoint_conversions",
-    "builtin_conversion_exists",
-    "install",
-    "installed",
-    "uninstall",
-]
-
-_wrappers = WrapGroup("conversion")
+__all__ = ["conversion_wrappers"]
 
 
 @dataclass
@@ -61,16 +53,6 @@ class _Load:
 
 
 _current: ContextVar[_Load | None] = ContextVar("modelgraft_v4_conversion_load", default=None)
-
-
-def builtin_conversion_exists(key: str) -> bool:
-    """Whether transformers converts ``key``'s checkpoints itself: never on 4.57."""
-    return False
-
-
-def builtin_checkpoint_conversions(model_type: str) -> list[Any]:
-    """transformers' own conversion entries for ``model_type``: none on 4.57."""
-    return []
 
 
 def _renamer(model: Any, key_mapping: dict[str, str] | None) -> Any:
@@ -124,15 +106,16 @@ def _wrap_find_missing(engine: ConversionEngine) -> Any:
                 return missing, unexpected
             still_missing, left_unexpected = set(missing), set(unexpected)
             engine.load(
-                model,
-                load.files,
-                still_missing,
-                left_unexpected,
-                device_map=load.device_map,
-                rename=_renamer(model, load.key_mapping),
-                offload=None,
-                place=_unquantized_notice(engine, model, load.quantizer),
-                state_dict=load.state_dict,  # `from_pretrained(..., state_dict=)`: converted like files
+                LoadRequest(
+                    model=model,
+                    checkpoint_files=load.files,
+                    missing_keys=still_missing,
+                    unexpected_keys=left_unexpected,
+                    device_map=load.device_map,
+                    rename=_renamer(model, load.key_mapping),
+                    place=_unquantized_notice(engine, model, load.quantizer),
+                    state_dict=load.state_dict,  # `from_pretrained(..., state_dict=)`: converted like files
+                )
             )
             load.consumed |= set(unexpected) - left_unexpected
             # Consumed keys stay "unexpected" until the shards are loaded, so transformers does not try
@@ -209,24 +192,13 @@ def _wrap_save_pretrained(engine: ConversionEngine) -> Any:
     return wrap
 
 
-def installed() -> bool:
-    """Whether the conversion wrappers are in place."""
-    return _wrappers.installed
-
-
-def install(engine: ConversionEngine) -> None:
-    """Install the load/save wrappers calling ``engine`` (idempotent)."""
-    _wrappers.install(
-        {
-            "_find_missing_and_unexpected_keys": _wrap_find_missing(engine),
-            "_load_pretrained_model": _wrap_load_pretrained_model(engine),
-            "_adjust_missing_and_unexpected_keys": _wrap_adjust,
-            "post_init": _wrap_post_init(engine),
-            "save_pretrained": _wrap_save_pretrained(engine),
-        }
-    )
-
-
-def uninstall() -> None:
-    """Remove the load/save wrappers (idempotent)."""
-    _wrappers.uninstall()
+def conversion_wrappers(engine: ConversionEngine) -> Makers:
+    """The load/save wrappers calling ``engine``, for the ``conversion`` sites (see
+    :meth:`~modelgraft._compat.line.TransformersLine.conversion_wrappers`)."""
+    return {
+        "_find_missing_and_unexpected_keys": _wrap_find_missing(engine),
+        "_load_pretrained_model": _wrap_load_pretrained_model(engine),
+        "_adjust_missing_and_unexpected_keys": _wrap_adjust,
+        "post_init": _wrap_post_init(engine),
+        "save_pretrained": _wrap_save_pretrained(engine),
+    }
