@@ -21,9 +21,10 @@ grafted modules (any other model sees PEFT unchanged):
   Loading it on a model without grafted experts is refused (:class:`ExpertsAdapterError`), saying
   to load it on the grafted model, or to merge it there and save the merged checkpoint.
 
-The adjustments are wrappers around five PEFT functions, installed when PEFT's modules are
-imported (a post-import hook that watches those three module names only) or at once when they
-already are, the first time a grafted module is built. Nothing imports PEFT.
+The adjustments are wrappers around six PEFT attributes, listed with what each does in
+:data:`modelgraft._compat.peft.PEFT_SITES` and installed through its wrapper sets when PEFT's
+modules are imported (or at once when they already are), from the first time a grafted module is
+built or ``modelgraft.grafts`` is imported. Nothing imports PEFT.
 
 Example:
     >>> ensure_installed()
@@ -34,30 +35,23 @@ Example:
 from __future__ import annotations
 
 import copy
-import importlib.abc
-import importlib.machinery
 import inspect
 import json
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
-from modelgraft._forksafe import ForkSafeLock
+from modelgraft._compat.peft import PEFT, PeftMaker
 from modelgraft.errors import ExpertsAdapterError  # defined there with every error; this path kept
 from modelgraft.grafts import _peft_experts as _experts
 
 __all__ = ["ExpertsAdapterError", "ensure_installed", "installed", "uninstall"]
-
-
-_WRAPPED = "__modelgraft_wrapped__"
-_LOCK = ForkSafeLock()
-_state = {"installed": False}
 
 
 # ---- what a grafted model holds ------------------------------------------------------------------
@@ -358,115 +352,27 @@ def _refuse_dropped_expert_adapters(model: nn.Module, state: Any) -> None:
         )
 
 
-_PATCHES: dict[str, tuple[tuple[str, Callable[..., Callable[..., Any]]], ...]] = {
-    "peft.peft_model": (
-        ("set_peft_model_state_dict", lambda f, m: _state_dict_check(f)),
-        ("PeftModel.save_pretrained", lambda f, m: _save_in_plain_layout(f)),
-    ),
-    "peft.tuners.tuners_utils": (
-        ("_maybe_include_all_linear_layers", lambda f, m: _all_linear(f)),
-        ("BaseTuner.inject_adapter", lambda f, m: _config_split(f)),
-    ),
-    "peft.utils.transformers_weight_conversion": (
-        ("_convert_peft_config_moe", _moe_config),
-        ("get_model_conversion_mapping", lambda f, m: _conversion_mapping(f)),
-    ),
+_MAKERS: dict[str, PeftMaker] = {
+    "set_peft_model_state_dict": lambda f, m: _state_dict_check(f),
+    "PeftModel.save_pretrained": lambda f, m: _save_in_plain_layout(f),
+    "_maybe_include_all_linear_layers": lambda f, m: _all_linear(f),
+    "BaseTuner.inject_adapter": lambda f, m: _config_split(f),
+    "_convert_peft_config_moe": _moe_config,
+    "get_model_conversion_mapping": lambda f, m: _conversion_mapping(f),
 }
-
-
-def _owner(module: ModuleType, attribute: str) -> tuple[Any, str]:
-    """The object holding ``attribute`` (``"PeftModel.save_pretrained"``: the class) and its last name."""
-    *path, name = attribute.split(".")
-    owner: Any = module
-    for part in path:
-        owner = getattr(owner, part, None)
-    return owner, name
-
-
-def _patch(module: ModuleType) -> None:
-    for attribute, wrap in _PATCHES.get(module.__name__, ()):
-        owner, name = _owner(module, attribute)
-        found = getattr(owner, name, None)
-        if found is None or getattr(found, _WRAPPED, None) is not None:
-            continue  # a PEFT without it (nothing to adjust), or already wrapped
-        wrapper = wrap(found, module)
-        setattr(wrapper, _WRAPPED, found)
-        setattr(owner, name, wrapper)
-
-
-def _unpatch(module: ModuleType) -> None:
-    for attribute, _ in _PATCHES.get(module.__name__, ()):
-        owner, name = _owner(module, attribute)
-        found = getattr(owner, name, None)
-        original = getattr(found, _WRAPPED, None)
-        if original is not None:
-            setattr(owner, name, original)
-
-
-# ---- the post-import hook ------------------------------------------------------------------------
-class _PatchingLoader(importlib.abc.Loader):
-    """Runs the real loader, then wraps the functions of the freshly executed module."""
-
-    def __init__(self, loader: importlib.abc.Loader) -> None:
-        self._loader = loader
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._loader.exec_module(module)
-        _patch(module)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: hands the watched PEFT modules to the next finder, with our loader."""
-
-    def find_spec(
-        self, fullname: str, path: Any, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in _PATCHES:
-            return None
-        for finder in _other_finders():
-            spec: importlib.machinery.ModuleSpec | None = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _PatchingLoader(spec.loader)
-                return spec
-        return None
-
-
-def _other_finders() -> Iterator[Any]:
-    return (f for f in list(sys.meta_path) if not isinstance(f, _Finder) and hasattr(f, "find_spec"))
-
-
-_FINDER = _Finder()
 
 
 def ensure_installed() -> None:
     """Wrap PEFT's functions now if PEFT is imported, else when it is (idempotent, cheap)."""
-    if _state["installed"]:
-        return
-    with _LOCK:
-        for name in _PATCHES:
-            module = sys.modules.get(name)
-            if module is not None:
-                _patch(module)
-        if not any(isinstance(f, _Finder) for f in sys.meta_path):
-            sys.meta_path.insert(0, _FINDER)
-        _state["installed"] = True
+    if not PEFT.installed:
+        PEFT.install(_MAKERS)
 
 
 def installed() -> bool:
-    """Whether the hook is in place."""
-    return _state["installed"]
+    """Whether the wrappers are in place (or will be, when PEFT is imported)."""
+    return PEFT.installed
 
 
 def uninstall() -> None:
-    """Remove the hook and restore PEFT's functions (for tests)."""
-    with _LOCK:
-        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Finder)]
-        for name in _PATCHES:
-            module = sys.modules.get(name)
-            if module is not None:
-                _unpatch(module)
-        _state["installed"] = False
+    """Remove the wrappers and the import hook (for tests)."""
+    PEFT.uninstall()
