@@ -423,7 +423,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     _run_imports(args.imports)
     bundles = [_load_graft(ref, _model_type_of(args.target)) for ref in args.graft or ()]
-    result = verify(args.target, graft=bundles or None, atol=args.atol, rtol=args.rtol, seed=args.seed)
+    graft = functools.reduce(operator.add, bundles) if bundles else None
+    result = verify(args.target, graft, atol=args.atol, rtol=args.rtol, seed=args.seed)
     if args.json:
         _print_json(args, result.to_dict())
     else:
