@@ -82,8 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
 
 
-class _UsageError(Exception):
-    """What argparse would print before exiting with 2; raised instead, so that main() formats it."""
+class _UsageError(GraftError, ValueError):
+    """What argparse would print before exiting with 2; raised instead, so that main() formats it.
+
+    Private (main() always catches it), but a modelgraft error like every other."""
 
     def __init__(self, prog: str, message: str) -> None:
         super().__init__(f"{message} (see `{prog} --help`)")

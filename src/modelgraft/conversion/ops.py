@@ -74,7 +74,7 @@ def model_config(config: Any) -> Iterator[None]:
         _MODEL_CONFIG.reset(token)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ConversionContext:
     """What the engine knows when it runs one operation of a converter.
 
