@@ -160,6 +160,13 @@ def _single_inner_length(tensors: TensorGroups, op: str) -> int:
     return lengths.pop()
 
 
+def _join_parts(tensors: TensorGroups, dim: int, op: str) -> TensorGroups:
+    """The reverse of splitting one group into parts (``Chunk``, ``Split``): per ``*`` index, the
+    parts concatenated along ``dim`` back into one group."""
+    n = _single_inner_length(tensors, op)
+    return [[torch.cat([group[j] for group in tensors], dim=dim) for j in range(n)]]
+
+
 def _check_dim(tensor: torch.Tensor, dim: int, op: str) -> None:
     if not -tensor.dim() <= dim < max(tensor.dim(), 1):
         raise ConversionError(
@@ -264,8 +271,7 @@ class Chunk(ConversionOperation):
         return out
 
     def reverse(self, tensors: TensorGroups, context: ConversionContext) -> TensorGroups:
-        n = _single_inner_length(tensors, "Chunk.reverse")
-        return [[torch.cat([group[j] for group in tensors], dim=self.dim) for j in range(n)]]
+        return _join_parts(tensors, self.dim, "Chunk.reverse")
 
 
 @dataclass(frozen=True)
@@ -462,5 +468,4 @@ class Split(ConversionOperation):
         return out
 
     def reverse(self, tensors: TensorGroups, context: ConversionContext) -> TensorGroups:
-        n = _single_inner_length(tensors, "Split.reverse")
-        return [[torch.cat([group[j] for group in tensors], dim=self.dim) for j in range(n)]]
+        return _join_parts(tensors, self.dim, "Split.reverse")
