@@ -48,7 +48,7 @@ def _config(args: argparse.Namespace) -> LlamaConfig:
 def _model(args: argparse.Namespace, grafted: bool) -> LlamaForCausalLM:
     torch.manual_seed(0)
     model = LlamaForCausalLM(_config(args)).to(args.device).train()
-    return graft_chunked_lm_loss(model, args.chunk_size) if grafted else model
+    return graft_chunked_lm_loss(model, chunk_size=args.chunk_size) if grafted else model
 
 
 def _batch(args: argparse.Namespace) -> torch.Tensor:
@@ -106,7 +106,7 @@ def _memory_in_subprocess(args: argparse.Namespace, grafted: bool) -> dict[str, 
 def _time(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     plain = _model(args, grafted=False)
-    grafted = graft_chunked_lm_loss(copy.deepcopy(plain), args.chunk_size)
+    grafted = graft_chunked_lm_loss(copy.deepcopy(plain), chunk_size=args.chunk_size)
     ids = _batch(args)
     loss_plain = _step(plain, ids)
     grad_plain = plain.lm_head.weight.grad.clone()

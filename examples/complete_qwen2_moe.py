@@ -4,6 +4,9 @@ Adapted only in its import lines (``transformers.monkey_patching`` / ``conversio
 ``modelgraft``) and in loading a tiny local checkpoint instead of ``Qwen/Qwen1.5-MoE-A2.7B``. The
 fused attention of the documentation assumes as many key/value heads as query heads, so the tiny
 checkpoint has ``num_key_value_heads == num_attention_heads``. The last lines show the result.
+
+The classes are the documentation's; the conversion tests import them from here
+(``tests/integration/conversion_helpers.py``), so the run itself is under ``__main__``.
 """
 
 from typing import Unpack
@@ -17,7 +20,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.qwen2_moe.modeling_qwen2_moe import apply_rotary_pos_emb
 from transformers.utils.generic import TransformersKwargs
 
-from _tiny import tiny_checkpoint
 from modelgraft import (
     Concatenate,
     WeightConverter,
@@ -26,9 +28,6 @@ from modelgraft import (
     register_patch_mapping,
     unregister_checkpoint_conversion_mapping,  # for the check at the end
 )
-
-# The tiny stand-in for "Qwen/Qwen1.5-MoE-A2.7B", written by plain transformers before anything is registered.
-CHECKPOINT = tiny_checkpoint("qwen2_moe", num_key_value_heads=4)
 
 
 class MoeMLP(nn.Module):
@@ -133,45 +132,57 @@ class FusedQKVAttention(nn.Module):
         return attn_output, attn_weights
 
 
-# Registering monkey patches for the new attention and experts modules.
-register_patch_mapping(
-    mapping={
-        "Qwen2MoeExperts": ModuleListExperts,
-        "Qwen2MoeAttention": FusedQKVAttention,
-    }
-)
+def main() -> None:
+    from _tiny import tiny_checkpoint  # the examples' own helper, next to this file
 
-# Registering weight conversion mappings adapted for the new modules. This registration will:
-# - Override the original conversion mapping for qwen2_moe which concatenated the experts into a single parameter format.
-# - Concatenate the q_proj, k_proj, v_proj weights/biases into a single qkv_proj weight/bias for the new fused attention module.
-register_checkpoint_conversion_mapping(
-    model_type_or_class_name="qwen2_moe",
-    mapping=[
-        WeightConverter(
-            source_patterns=["q_proj", "k_proj", "v_proj"],
-            target_patterns=["qkv_proj"],
-            operations=[Concatenate(dim=0)],
-        ),
-    ],
-    overwrite=True,
-)
+    # The tiny stand-in for "Qwen/Qwen1.5-MoE-A2.7B", written by plain transformers before anything is registered.
+    checkpoint = tiny_checkpoint("qwen2_moe", num_key_value_heads=4)
 
-model = AutoModelForCausalLM.from_pretrained(CHECKPOINT)
+    # Registering monkey patches for the new attention and experts modules.
+    register_patch_mapping(
+        mapping={
+            "Qwen2MoeExperts": ModuleListExperts,
+            "Qwen2MoeAttention": FusedQKVAttention,
+        }
+    )
 
-# --- not in the documentation: show what happened, and compare with the plain model ---------------
-layer = model.model.layers[0]
-print("attention:", type(layer.self_attn).__name__, tuple(layer.self_attn.qkv_proj.weight.shape))
-print(
-    "experts:",
-    type(layer.mlp.experts).__name__,
-    len(layer.mlp.experts),
-    "x",
-    type(layer.mlp.experts[0]).__name__,
-)
-clear_patch_mapping()
-unregister_checkpoint_conversion_mapping("qwen2_moe")
-plain = AutoModelForCausalLM.from_pretrained(CHECKPOINT)
-input_ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
-with torch.no_grad():
-    diff = (model(input_ids).logits - plain(input_ids).logits).abs().max().item()
-print(f"plain model: {type(plain.model.layers[0].self_attn).__name__}; max |logits difference| = {diff:.2e}")
+    # Registering weight conversion mappings adapted for the new modules. This registration will:
+    # - Override the original conversion mapping for qwen2_moe which concatenated the experts into a single parameter format.
+    # - Concatenate the q_proj, k_proj, v_proj weights/biases into a single qkv_proj weight/bias for the new fused attention module.
+    register_checkpoint_conversion_mapping(
+        model_type_or_class_name="qwen2_moe",
+        mapping=[
+            WeightConverter(
+                source_patterns=["q_proj", "k_proj", "v_proj"],
+                target_patterns=["qkv_proj"],
+                operations=[Concatenate(dim=0)],
+            ),
+        ],
+        overwrite=True,
+    )
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+
+    # --- not in the documentation: show what happened, and compare with the plain model ---------------
+    layer = model.model.layers[0]
+    print("attention:", type(layer.self_attn).__name__, tuple(layer.self_attn.qkv_proj.weight.shape))
+    print(
+        "experts:",
+        type(layer.mlp.experts).__name__,
+        len(layer.mlp.experts),
+        "x",
+        type(layer.mlp.experts[0]).__name__,
+    )
+    clear_patch_mapping()
+    unregister_checkpoint_conversion_mapping("qwen2_moe")
+    plain = AutoModelForCausalLM.from_pretrained(checkpoint)
+    input_ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        diff = (model(input_ids).logits - plain(input_ids).logits).abs().max().item()
+    print(
+        f"plain model: {type(plain.model.layers[0].self_attn).__name__}; max |logits difference| = {diff:.2e}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -178,7 +178,7 @@ def main() -> int:
     )
 
     print("7. the same questions through modelgraft.verify")
-    verdict = verify("qwen2_moe", graft=graft, seed=1)
+    verdict = verify("qwen2_moe", graft, seed=1)
     print("   " + verdict.format_table().replace("\n", "\n   "))
     check(
         "verify",

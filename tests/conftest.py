@@ -1,4 +1,5 @@
-"""Shared fixtures: clean patch and conversion registries around every test, and tiny local checkpoints."""
+"""Shared fixtures: clean patch and conversion registries around every test, and tiny local checkpoints
+(saved ones, and saved ones with the plain model they came from)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,26 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
             auto.from_config(family(model_type).config()).save_pretrained(path)
             made[model_type] = path
         return made[model_type]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def plain_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[..., tuple[Path, torch.nn.Module]]:
+    """Return ``make(model_type, seed=0)``: a plain tiny checkpoint on disk and the plain model it
+    came from (the base model where the family has no causal LM), built once per test module."""
+    made: dict[tuple[str, int], tuple[Path, torch.nn.Module]] = {}
+
+    def make(model_type: str, seed: int = 0) -> tuple[Path, torch.nn.Module]:
+        if (model_type, seed) not in made:
+            torch.manual_seed(seed)
+            model = family(model_type).model().eval()
+            path = tmp_path_factory.mktemp(f"plain-{model_type}-{seed}")
+            model.save_pretrained(path)
+            made[model_type, seed] = (path, model)
+        return made[model_type, seed]
 
     return make
 

@@ -82,8 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
 
 
-class _UsageError(Exception):
-    """What argparse would print before exiting with 2; raised instead, so that main() formats it."""
+class _UsageError(GraftError, ValueError):
+    """What argparse would print before exiting with 2; raised instead, so that main() formats it.
+
+    Private (main() always catches it), but a modelgraft error like every other."""
 
     def __init__(self, prog: str, message: str) -> None:
         super().__init__(f"{message} (see `{prog} --help`)")
@@ -423,7 +425,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     _run_imports(args.imports)
     bundles = [_load_graft(ref, _model_type_of(args.target)) for ref in args.graft or ()]
-    result = verify(args.target, graft=bundles or None, atol=args.atol, rtol=args.rtol, seed=args.seed)
+    graft = functools.reduce(operator.add, bundles) if bundles else None
+    result = verify(args.target, graft, atol=args.atol, rtol=args.rtol, seed=args.seed)
     if args.json:
         _print_json(args, result.to_dict())
     else:

@@ -30,6 +30,7 @@ __all__ = [
     "RoutingError",
     "StrictModeError",
     "TargetError",
+    "UnexpectedArgumentError",
     "UnknownModelTypeError",
     "UnsafePatternError",
     "UnsupportedFamilyError",
@@ -117,6 +118,11 @@ class TargetError(GraftError, ValueError):
 
 class VerifyArgumentError(GraftError, ValueError):
     """An argument of :func:`modelgraft.verify` is out of range: a tolerance that is negative or not finite, a bad seed."""
+
+
+class UnexpectedArgumentError(GraftError, TypeError):
+    """A keyword argument a modelgraft function does not take, such as ``verify(..., graft=...)``
+    (a ``TypeError``, as Python's own; the message says what to pass instead)."""
 
 
 class LossInputError(GraftError, ValueError):

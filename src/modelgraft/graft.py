@@ -214,16 +214,16 @@ class Graft:
         return (_rebuild, (self.name, self.model_types, tuple(_plain(p) for p in self._pieces)))
 
     # ---- convenience, same as the module functions -----------------------------------------
-    def register(self, overwrite: bool = False) -> None:
+    def register(self, *, overwrite: bool = False) -> None:
         """Register globally; same as :func:`register_graft`."""
-        register_graft(self, overwrite)
+        register_graft(self, overwrite=overwrite)
 
     def unregister(self) -> None:
         """Remove what :meth:`register` added; same as :func:`unregister_graft`."""
         unregister_graft(self)
 
     @contextlib.contextmanager
-    def applied(self, strict: bool = False) -> Iterator[Graft]:
+    def applied(self, *, strict: bool = False) -> Iterator[Graft]:
         """Apply the graft in this thread or task for the ``with`` block; same as ``patched(graft)``."""
         with scope(self, strict=strict):
             yield self
@@ -308,7 +308,7 @@ def _required(graft: Graft | ClassMapping, caller: str) -> Graft:
     return found
 
 
-def register_graft(graft: Graft, overwrite: bool = False) -> None:
+def register_graft(graft: Graft, *, overwrite: bool = False) -> None:
     """Register a graft's classes and conversions globally, in one step (all or nothing).
 
     A load that starts meanwhile sees the whole graft or none of it. transformers' own

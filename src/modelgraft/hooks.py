@@ -90,6 +90,7 @@ def apply_patches() -> Iterator[Snapshot]:
 def patched(
     mapping: Graft | Mapping[str, type[torch.nn.Module]],
     conversions: Mapping[str, list[Any]] | None = None,
+    *,
     strict: bool = False,
 ) -> Iterator[Snapshot]:
     """Use a graft (or ``mapping`` and ``conversions``) for loads in this thread/task, inside the block only.

@@ -85,6 +85,7 @@ def _patched_spec(
 
 def patch_output_recorders(
     model: torch.nn.Module,
+    *,
     snap: Snapshot | None = None,
     replacements: Mapping[type, type] | None = None,
 ) -> int:

@@ -26,7 +26,7 @@ temporary checkpoint, all offline), a config, or a local checkpoint folder.
 Example:
     >>> from modelgraft import verify
     >>> from modelgraft.grafts import fused_qkv
-    >>> result = verify("llama", graft=fused_qkv("llama"))
+    >>> result = verify("llama", fused_qkv("llama"))
     >>> result.passed, [c.name for c in result.checks]
     (True, ['builds', 'all_weights_loaded', 'logits_match', 'hidden_states_match', 'save_roundtrip'])
 """
@@ -34,15 +34,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import numbers
-import operator
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import torch
 from safetensors.torch import load_file
@@ -58,7 +56,7 @@ from modelgraft._target import (
     model_class_for,
     resolve_config,
 )
-from modelgraft.errors import VerifyArgumentError
+from modelgraft.errors import UnexpectedArgumentError, VerifyArgumentError
 from modelgraft.graft import Graft, as_graft, scope
 from modelgraft.hooks import unpatched
 from modelgraft.report import report
@@ -135,22 +133,22 @@ def verify(
     mapping: Graft | Mapping[str, type[torch.nn.Module]] | None = None,
     conversions: Mapping[str, Sequence[Any]] | None = None,
     *,
-    graft: Graft | Sequence[Graft] | None = None,
     atol: float = 1e-5,
     rtol: float = 0.0,
     seed: int = 0,
     model_class: type | None = None,
     workdir: str | Path | None = None,
+    **unexpected: NoReturn,  # only to name the fix for `graft=`; type checkers refuse any keyword here
 ) -> VerifyReport:
     """Load ``target`` plain and grafted, and check that the graft changes nothing but the classes.
 
     Args:
         target: a model type (``"llama"``; a tiny config and checkpoint are made), a
             ``PretrainedConfig`` (a checkpoint is made from it), or a local checkpoint folder.
-        mapping: the graft: a :class:`~modelgraft.Graft`, or a patch mapping as for ``patched``.
-        conversions: ``{model_type_or_class_name: [WeightConverter, ...]}`` of the graft.
-        graft: a :class:`~modelgraft.Graft` or a list of them, added to ``mapping``/``conversions``.
-            With no mapping, conversions or graft, the globally registered patches are verified.
+        mapping: the graft, as ``patched`` and ``graft_model`` take it: a :class:`~modelgraft.Graft`
+            (grafts add up: ``fused_qkv("llama") + my_graft``), or a patch mapping. With no
+            mapping and no conversions, the globally registered patches are verified.
+        conversions: ``{model_type_or_class_name: [WeightConverter, ...]}`` added to the graft.
         atol: absolute tolerance of the output comparisons (a finite number >= 0; 0 asks for
             bit-identical outputs).
         rtol: relative tolerance of the output comparisons (a finite number >= 0).
@@ -163,6 +161,8 @@ def verify(
         A :class:`VerifyReport`; ``report.passed`` is True when every check passed.
 
     Raises:
+        UnexpectedArgumentError: a keyword ``verify`` does not take, such as ``graft=`` (the graft
+            is the second argument).
         VerifyArgumentError: a tolerance that is negative or not finite (NaN would pass anything),
             or a seed that is not an int >= 0.
         TargetError: a target that does not exist or cannot be read, a model class that is not a
@@ -170,10 +170,12 @@ def verify(
         GraftError: a graft whose keys or replacements are invalid, or grafts that replace one
             key with different classes (nothing is registered).
     """
+    if unexpected:
+        raise _unexpected(unexpected)
     atol, rtol = _tolerance("atol", atol), _tolerance("rtol", rtol)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise VerifyArgumentError(f"`seed` must be an int >= 0; received `{seed!r}`.")
-    combined = _combined(mapping, conversions, graft)
+    combined = as_graft(mapping, conversions)
     with _grafting(combined):
         pass  # an invalid key or replacement is an error of the call, not a failed check
     config, checkpoint = _resolve(target)
@@ -205,15 +207,18 @@ def _tolerance(name: str, value: object) -> float:
     return float(value)
 
 
-def _combined(
-    mapping: Graft | Mapping[str, type[torch.nn.Module]] | None,
-    conversions: Mapping[str, Sequence[Any]] | None,
-    graft: Graft | Sequence[Graft] | None,
-) -> Graft | None:
-    """Everything given, as one graft (None: verify what is registered)."""
-    extra = [] if graft is None else list(graft) if isinstance(graft, list | tuple) else [graft]
-    parts = [g for g in (as_graft(mapping, conversions), *(as_graft(g) for g in extra)) if g is not None]
-    return functools.reduce(operator.add, parts) if parts else None
+def _unexpected(keywords: Mapping[str, object]) -> UnexpectedArgumentError:
+    if "graft" in keywords:
+        return UnexpectedArgumentError(
+            "`verify` takes the graft as its second argument, as `patched` and `graft_model` do; "
+            f"received `graft={keywords['graft']!r}`. Write `verify(target, graft)`, and add grafts "
+            "together with `+`: `verify(target, fused_qkv(...) + linear_experts(...))`."
+        )
+    names = ", ".join(f"`{name}`" for name in sorted(keywords))
+    return UnexpectedArgumentError(
+        f"`verify` got unexpected keyword arguments {names}; it takes `target`, `mapping`, "
+        "`conversions`, and the keywords `atol`, `rtol`, `seed`, `model_class`, `workdir`."
+    )
 
 
 def _resolve(target: str | Path | PretrainedConfig) -> tuple[PretrainedConfig, Path | None]:

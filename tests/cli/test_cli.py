@@ -119,6 +119,25 @@ def test_bad_input_exits_2_with_a_message(capsys: pytest.CaptureFixture[str]) ->
     assert modelgraft.get_patch_mapping() == {}
 
 
+def test_verify_adds_several_grafts_together(capsys: pytest.CaptureFixture[str]) -> None:
+    # Each --graft is one graft; verify gets their sum, as `verify(target, a + b)` (issue 21: 1).
+    argv = [
+        "verify",
+        "llama",
+        "--graft",
+        "modelgraft.grafts:fused_qkv",
+        "--graft",
+        "modelgraft.grafts:fused_gate_up",
+    ]
+    code, out, _ = _run(capsys, *argv, "--json")
+    assert code == 0
+    builds = json.loads(out)["checks"][0]
+    assert builds["name"] == "builds" and builds["passed"] is True
+    assert "LlamaAttention -> FusedQKVLlamaAttention x2" in builds["detail"]
+    assert "LlamaMLP -> FusedGateUpLlamaMLP x2" in builds["detail"]
+    assert modelgraft.get_patch_mapping() == {}
+
+
 def test_verify_failure_exits_1(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

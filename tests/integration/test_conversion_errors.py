@@ -6,7 +6,7 @@ import pytest
 import torch
 from conversion_helpers import QKV, fused_qkv_class
 from safetensors.torch import load_file, save_file
-from test_conversion_load import _attention_class, _save_plain
+from test_conversion_load import _attention_class, _config, _save_plain
 from transformers import AutoModelForCausalLM
 
 from modelgraft import (
@@ -47,14 +47,17 @@ def test_missing_source_key_names_the_converter_and_the_key(tmp_path):
 
 
 def test_shape_that_does_not_fit_the_target_names_both_shapes(tmp_path):
-    # (96, 32) cannot take q, k and v of grouped-query attention, (32 + 16 + 16, 32).
+    # (3q, hidden) cannot take q, k and v of grouped-query attention, (q + 2 kv, hidden).
+    config = _config("llama")
+    q, kv = (n * config.head_dim for n in (config.num_attention_heads, config.num_key_value_heads))
+    assert kv < q  # grouped-query attention
     _save_plain("llama", tmp_path)
     with (
         patched({"LlamaAttention": _ThreeEqualParts}, conversions={"llama": [QKV]}),
         pytest.raises(
             ConversionShapeError,
-            match=r"produced shape \(64,\) for `model\.layers\.0\.self_attn\.qkv_proj\.bias`, but the model "
-            r"parameter has shape \(96,\)",
+            match=rf"produced shape \({q + 2 * kv},\) for `model\.layers\.0\.self_attn\.qkv_proj\.bias`, but "
+            rf"the model parameter has shape \({3 * q},\)",
         ),
     ):
         AutoModelForCausalLM.from_pretrained(tmp_path)

@@ -9,24 +9,24 @@ import pytest
 import torch
 from conversion_helpers import GATE_UP, QKV, FusedGateUpLlamaMLP, fused_qkv_class
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from _file_backing import backing_files, needs_proc_maps
 from _versions import IS_V5
 from modelgraft import Concatenate, WeightConverter, patched, report
 from modelgraft.testing import tiny_config
 
-#: One row per family: tiny config overrides and the attention class the fused QKV replaces.
+#: One row per family: what this test needs beyond the family table's tiny config (grouped-query
+#: shapes, q/k/v biases) and the attention class the fused QKV replaces.
 FAMILIES = {
     "llama": ({"num_attention_heads": 4, "num_key_value_heads": 2, "attention_bias": True}, "LlamaAttention"),
     "mistral": ({"num_attention_heads": 4, "num_key_value_heads": 2}, "MistralAttention"),
     "qwen2": ({"num_attention_heads": 4, "num_key_value_heads": 1}, "Qwen2Attention"),
 }
-TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "vocab_size": 128}
 
 
 def _config(family: str, **overrides):
-    return AutoConfig.for_model(family, **{**TINY, **FAMILIES[family][0], **overrides})
+    return tiny_config(family, **{**FAMILIES[family][0], **overrides})
 
 
 def _attention_class(family: str) -> type:
@@ -104,9 +104,12 @@ def test_converted_targets_are_never_randomly_initialised(tmp_path, monkeypatch)
 
     touched: list[str] = []
     original = modeling_utils.PreTrainedModel._init_weights
+    config = _config("llama")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    qkv_shape = ((config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim, config.hidden_size)
 
     def spy(self, module):
-        if hasattr(module, "weight") and module.weight is not None and module.weight.shape == (64, 32):
+        if hasattr(module, "weight") and module.weight is not None and module.weight.shape == qkv_shape:
             touched.append(type(module).__name__)
         return original(self, module)
 

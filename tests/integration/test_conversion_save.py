@@ -98,10 +98,18 @@ def test_from_config_grafted_model_saves_the_original_layout(tmp_path):
     model.save_pretrained(tmp_path)
     written = load_file(tmp_path / "model.safetensors")
     q, k, v = (written[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
-    assert (tuple(q.shape), tuple(k.shape), tuple(v.shape)) == ((32, 32), (16, 32), (16, 32))
+    config = model.config
+    head_dim, hidden = attn.head_dim, config.hidden_size
+    kv_shape = (config.num_key_value_heads * head_dim, hidden)
+    assert (tuple(q.shape), tuple(k.shape), tuple(v.shape)) == (
+        (config.num_attention_heads * head_dim, hidden),
+        kv_shape,
+        kv_shape,
+    )
     assert torch.equal(torch.cat([q, k, v]), attn.qkv_proj.weight.detach())
     gate = written["model.layers.1.mlp.gate_proj.weight"]
-    assert torch.equal(gate, model.model.layers[1].mlp.gate_up_proj.weight.detach()[:64])
+    gate_up = model.model.layers[1].mlp.gate_up_proj.weight.detach()
+    assert torch.equal(gate, gate_up[: config.intermediate_size])
     plain, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     torch.testing.assert_close(plain.eval()(X).logits, model.eval()(X).logits, atol=1e-5, rtol=0)

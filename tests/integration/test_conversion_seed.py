@@ -32,6 +32,9 @@ def qwen2_moe_dir(tmp_path_factory):
 
 
 X = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(3))
+_CONFIG = tiny_qwen2_moe_config()
+#: transformers' fused experts: (experts, gate and up stacked, hidden)
+_FUSED_GATE_UP = (_CONFIG.num_experts, 2 * _CONFIG.moe_intermediate_size, _CONFIG.hidden_size)
 
 
 @requires_builtin_conversion
@@ -101,7 +104,7 @@ def test_fused_experts_through_modelgraft_converters_round_trip(qwen2_moe_dir, t
     with patched({"Qwen2MoeAttention": FusedQKVAttention}, conversions={"qwen2_moe": conversions}):
         model, info = AutoModelForCausalLM.from_pretrained(qwen2_moe_dir, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
-    assert tuple(model.model.layers[0].mlp.experts.gate_up_proj.shape) == (4, 32, 32)
+    assert tuple(model.model.layers[0].mlp.experts.gate_up_proj.shape) == _FUSED_GATE_UP
     torch.testing.assert_close(model.eval()(X).logits, plain(X).logits, atol=1e-5, rtol=0)
     merged = [
         r for r in report(model).conversions if r.target_keys == ("model.layers.1.mlp.experts.gate_up_proj",)
@@ -121,7 +124,7 @@ def test_unregistering_restores_the_builtin_conversion(qwen2_moe_dir):
     unregister_checkpoint_conversion_mapping("qwen2_moe")
     model, info = AutoModelForCausalLM.from_pretrained(qwen2_moe_dir, output_loading_info=True)
     assert not info["missing_keys"]
-    assert tuple(model.model.layers[0].mlp.experts.gate_up_proj.shape) == (4, 32, 32)
+    assert tuple(model.model.layers[0].mlp.experts.gate_up_proj.shape) == _FUSED_GATE_UP
 
 
 @requires_fused_experts
@@ -142,7 +145,7 @@ def test_fused_expert_checkpoint_splits_into_per_expert_linears_and_back(qwen2_m
         fused_model = AutoModelForCausalLM.from_pretrained(qwen2_moe_dir)
     fused_model.save_pretrained(tmp_path / "fused", save_original_format=False)
     fused = load_file(tmp_path / "fused" / "model.safetensors")
-    assert tuple(fused["model.layers.0.mlp.experts.gate_up_proj"].shape) == (4, 32, 32)
+    assert tuple(fused["model.layers.0.mlp.experts.gate_up_proj"].shape) == _FUSED_GATE_UP
 
     split = [
         WeightConverter(

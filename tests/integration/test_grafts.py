@@ -9,7 +9,6 @@ plain transformers load gives the original checkpoint bit for bit.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -58,23 +57,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, torch.nn.Module]]:
-    """``make(model_type)``: a plain tiny checkpoint on disk and the plain model it came from."""
-    made: dict[str, tuple[Path, torch.nn.Module]] = {}
-
-    def make(model_type: str) -> tuple[Path, torch.nn.Module]:
-        if model_type not in made:
-            torch.manual_seed(0)
-            model = family(model_type).model().eval()
-            path = tmp_path_factory.mktemp(f"grafts-{model_type}")
-            model.save_pretrained(path)
-            made[model_type] = (path, model)
-        return made[model_type]
-
-    return make
-
-
 def _logits(model: torch.nn.Module, model_type: str) -> torch.Tensor:
     """Logits, or the last hidden state of a text tower that has no LM head of its own."""
     fam = family(model_type)
@@ -107,9 +89,9 @@ def _check_layout(name: str, model: torch.nn.Module, model_type: str) -> None:
 
 @pytest.mark.parametrize(("make_graft", "model_type"), CASES)
 def test_loaded_graft_matches_plain_logits_and_saves_the_original_checkpoint_bit_for_bit(
-    make_graft, model_type: str, checkpoint, tmp_path: Path
+    make_graft, model_type: str, plain_checkpoint, tmp_path: Path
 ) -> None:
-    path, plain = checkpoint(model_type)
+    path, plain = plain_checkpoint(model_type)
     graft = make_graft(model_type)
     grafted = _load_grafted(graft, path)
     replacements = tuple(graft.mapping.values())
@@ -132,8 +114,10 @@ def test_loaded_graft_matches_plain_logits_and_saves_the_original_checkpoint_bit
 
 
 @pytest.mark.parametrize(("make_graft", "model_type"), CASES)
-def test_grafting_a_built_model_in_place_keeps_its_logits(make_graft, model_type: str, checkpoint) -> None:
-    _, plain = checkpoint(model_type)
+def test_grafting_a_built_model_in_place_keeps_its_logits(
+    make_graft, model_type: str, plain_checkpoint
+) -> None:
+    _, plain = plain_checkpoint(model_type)
     grafted = graft_model(copy.deepcopy(plain), make_graft(model_type))
     assert len(report(grafted).replaced) >= 1
     _check_layout(make_graft.__name__, grafted, model_type)
@@ -144,9 +128,9 @@ def test_grafting_a_built_model_in_place_keeps_its_logits(make_graft, model_type
 @pytest.mark.parametrize(
     "model_type", ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "phimoe", "glm4_moe"]
 )
-def test_all_three_grafts_together_on_moe_families(model_type: str, checkpoint, tmp_path: Path) -> None:
+def test_all_three_grafts_together_on_moe_families(model_type: str, plain_checkpoint, tmp_path: Path) -> None:
     """The seed's complete example, generalised: fused attention, fused MLPs, per-expert experts."""
-    path, plain = checkpoint(model_type)
+    path, plain = plain_checkpoint(model_type)
     graft = linear_experts(model_type)
     if model_type in FUSED_QKV_FAMILIES:
         graft = graft + fused_qkv(model_type)

@@ -148,8 +148,8 @@ def test_grafts_that_replace_one_key_differently_are_refused_everywhere() -> Non
     other = Graft({"LlamaAttention": nn.Identity})
     with pytest.raises(GraftConflictError, match=r"`LlamaAttention` is replaced by both"):
         _user_graft() + other
-    # verify combines its arguments the same way instead of letting one silently win
-    with pytest.raises(GraftConflictError, match=r"`LlamaAttention` is replaced by both"):
+    # verify takes one graft, added up beforehand: it has no second way to combine them
+    with pytest.raises(modelgraft.UnexpectedArgumentError, match=r"add grafts together with `\+`"):
         modelgraft.verify("llama", _user_graft(), graft=other)
 
 

@@ -12,7 +12,6 @@ checkpoint. The way back (a grafted stream into a plain model), tied weights, th
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from weight_sync_helpers import assert_matches_plain
 
 from _versions import requires_fused_experts_unless_fused_on_both_lines
-from families import auto_class, family
+from families import auto_class
 from modelgraft import ConversionError, graft_model, load_original_state_dict, original_state_dict
 from modelgraft.grafts import (
     FUSED_GATE_UP_FAMILIES,
@@ -51,25 +50,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Callable[[str, int], tuple[Path, torch.nn.Module]]:
-    """``make(model_type, seed)``: a plain tiny checkpoint on disk and the plain model it came from."""
-    made: dict[tuple[str, int], tuple[Path, torch.nn.Module]] = {}
-
-    def make(model_type: str, seed: int = 0) -> tuple[Path, torch.nn.Module]:
-        if (model_type, seed) not in made:
-            torch.manual_seed(seed)
-            model = family(model_type).model().eval()
-            path = tmp_path_factory.mktemp(f"load-{model_type}-{seed}")
-            model.save_pretrained(path)
-            made[model_type, seed] = (path, model)
-        return made[model_type, seed]
-
-    return make
-
-
 def _grafted(how: str, graft: Graft, path: Path, plain: torch.nn.Module) -> torch.nn.Module:
     if how == "load":
         with graft.applied(strict=True):
@@ -89,10 +69,10 @@ def _same_tensors(got: torch.nn.Module, want: torch.nn.Module) -> None:
 
 @pytest.mark.parametrize(("make_graft", "model_type"), CASES)
 def test_a_grafted_model_built_from_other_weights_loads_the_plain_stream_exactly(
-    make_graft, model_type: str, checkpoint
+    make_graft, model_type: str, plain_checkpoint
 ) -> None:
-    path, plain = checkpoint(model_type)
-    other_path, other = checkpoint(model_type, seed=1)
+    path, plain = plain_checkpoint(model_type)
+    other_path, other = plain_checkpoint(model_type, seed=1)
     graft = make_graft(model_type)
     target = _grafted("load", graft, other_path, other)
     reference = _grafted("load", graft, path, plain)  # the same graft, loaded from the checkpoint
@@ -114,9 +94,11 @@ def test_a_grafted_model_built_from_other_weights_loads_the_plain_stream_exactly
         (chunked_lm_loss, "llama"),
     ],
 )
-def test_both_ways_between_in_place_grafted_and_plain_models(make_graft, model_type: str, checkpoint) -> None:
-    path, plain = checkpoint(model_type)
-    _, other = checkpoint(model_type, seed=1)
+def test_both_ways_between_in_place_grafted_and_plain_models(
+    make_graft, model_type: str, plain_checkpoint
+) -> None:
+    path, plain = plain_checkpoint(model_type)
+    _, other = plain_checkpoint(model_type, seed=1)
     grafted = _grafted("in_place", make_graft(model_type), path, copy.deepcopy(other))
     load_original_state_dict(grafted, original_state_dict(plain))
     assert_matches_plain(list(original_state_dict(grafted)), path, plain, grafted)
@@ -144,9 +126,11 @@ def test_tied_weights_load_under_both_names_and_must_agree() -> None:
         load_original_state_dict(target, stream)
 
 
-def test_strict_lists_every_missing_unexpected_shape_and_dtype_problem_and_loads_nothing(checkpoint) -> None:
-    path, plain = checkpoint("llama")
-    _, other = checkpoint("llama", seed=1)
+def test_strict_lists_every_missing_unexpected_shape_and_dtype_problem_and_loads_nothing(
+    plain_checkpoint,
+) -> None:
+    path, plain = plain_checkpoint("llama")
+    _, other = plain_checkpoint("llama", seed=1)
     target = _grafted("in_place", fused_qkv("llama"), path, copy.deepcopy(other))
     before = {k: v.clone() for k, v in target.state_dict().items()}
     stream = dict(original_state_dict(plain))
@@ -170,9 +154,9 @@ def test_strict_lists_every_missing_unexpected_shape_and_dtype_problem_and_loads
         assert torch.equal(tensor, before[key]), key
 
 
-def test_non_strict_reports_missing_and_unexpected_and_keeps_what_is_not_given(checkpoint) -> None:
-    path, plain = checkpoint("llama")
-    _, other = checkpoint("llama", seed=1)
+def test_non_strict_reports_missing_and_unexpected_and_keeps_what_is_not_given(plain_checkpoint) -> None:
+    path, plain = plain_checkpoint("llama")
+    _, other = plain_checkpoint("llama", seed=1)
     target = _grafted("in_place", fused_qkv("llama"), path, copy.deepcopy(other))
     q = "model.layers.0.self_attn.q_proj.weight"
     stream = dict(original_state_dict(plain))
@@ -187,8 +171,8 @@ def test_non_strict_reports_missing_and_unexpected_and_keeps_what_is_not_given(c
             assert torch.equal(got[name], tensor), name
 
 
-def test_not_a_model_or_not_pairs_is_refused(checkpoint) -> None:
-    _, plain = checkpoint("llama")
+def test_not_a_model_or_not_pairs_is_refused(plain_checkpoint) -> None:
+    _, plain = plain_checkpoint("llama")
     with pytest.raises(ConversionError, match=r"expects a `torch.nn.Module`, received `dict`"):
         load_original_state_dict({}, original_state_dict(plain))  # type: ignore[arg-type]
     with pytest.raises(ConversionError, match=r"iterable of `\(name, tensor\)` pairs"):

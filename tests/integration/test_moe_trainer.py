@@ -258,7 +258,11 @@ def test_a_stage_replays_the_layers_it_owns(padded) -> None:
 def test_a_stage_layer_that_was_not_captured_is_refused(padded) -> None:
     _, _, _, trace = padded
     zeros = RoutingTrace(
-        [trace.layers[0], torch.zeros_like(trace.layers[1])], [1, 2], 2, 8, batch_size=trace.batch_size
+        [trace.layers[0], torch.zeros_like(trace.layers[1])],
+        [1, 2],
+        top_k=2,
+        num_experts=8,
+        batch_size=trace.batch_size,
     )
     with pytest.raises(RoutingError, match=r"Every expert id of decoder layer `2` is 0 \(24 rows\)"):
         zeros.check_captured()

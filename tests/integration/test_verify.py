@@ -31,7 +31,7 @@ def _verdicts(result: VerifyReport) -> dict[str, bool]:
 
 
 def test_a_sound_graft_passes_every_check_on_a_model_type() -> None:
-    result = verify("llama", graft=fused_qkv("llama"))
+    result = verify("llama", fused_qkv("llama"))
     assert [c.name for c in result.checks] == ALL
     assert result.passed, result.format_table()
     assert "2 modules replaced: LlamaAttention -> FusedQKVLlamaAttention x2" in result["builds"].detail
@@ -42,7 +42,7 @@ def test_a_sound_graft_passes_every_check_on_a_model_type() -> None:
 
 @requires_fused_experts
 def test_moe_experts_and_fused_attention_together() -> None:
-    result = verify("qwen2_moe", graft=[fused_qkv("qwen2_moe"), linear_experts("qwen2_moe")])
+    result = verify("qwen2_moe", fused_qkv("qwen2_moe") + linear_experts("qwen2_moe"))
     assert result.passed, result.format_table()
     assert "Qwen2MoeExperts -> LinearQwen2MoeExperts x2" in result["builds"].detail
 
@@ -115,7 +115,7 @@ def test_registered_patches_are_verified_when_nothing_is_given() -> None:
 def test_a_local_checkpoint_folder(tmp_path: Path) -> None:
     torch.manual_seed(3)
     AutoModelForCausalLM.from_config(tiny_config("qwen2")).save_pretrained(tmp_path / "ckpt")
-    result = verify(tmp_path / "ckpt", graft=fused_qkv("qwen2"), workdir=tmp_path / "work")
+    result = verify(tmp_path / "ckpt", fused_qkv("qwen2"), workdir=tmp_path / "work")
     assert result.passed, result.format_table()
     assert result.model_class == "Qwen2ForCausalLM"
     assert (tmp_path / "work" / "resaved").is_dir()
@@ -181,14 +181,22 @@ def test_a_bf16_checkpoint_folder_round_trips_bit_for_bit(tmp_path: Path) -> Non
     torch.manual_seed(4)
     model = AutoModelForCausalLM.from_config(tiny_config("llama")).to(torch.bfloat16)
     model.save_pretrained(tmp_path / "bf16")
-    result = verify(tmp_path / "bf16", graft=fused_qkv("llama"))
+    result = verify(tmp_path / "bf16", fused_qkv("llama"))
     assert result.passed, result.format_table()
     assert "bit-identical" in result["save_roundtrip"].detail
 
 
-def test_a_ready_made_graft_in_the_mapping_place() -> None:
-    result = verify("llama", fused_qkv("llama"))
-    assert result.passed, result.format_table()
+def test_the_graft_goes_in_the_mapping_place_only() -> None:
+    # One way to hand a graft over, as `patched` and `graft_model` take it (issue 21: 1).
+    with pytest.raises(
+        modelgraft.UnexpectedArgumentError, match=r"second argument.*`verify\(target, graft\)`"
+    ):
+        verify("llama", graft=fused_qkv("llama"))
+    with pytest.raises(TypeError, match=r"add grafts together with `\+`"):
+        verify("llama", graft=[fused_qkv("llama")])
+    with pytest.raises(modelgraft.GraftError, match=r"unexpected keyword arguments `atoll`"):
+        verify("llama", fused_qkv("llama"), atoll=1.0)
+    assert modelgraft.get_patch_mapping() == {}
 
 
 # ---- non-finite values, tolerances, shapes and dtypes (issue 10: no silent wrong numbers) -----------
@@ -282,7 +290,7 @@ def test_a_non_finite_or_negative_tolerance_is_refused(bad: object) -> None:
 
 
 def test_zero_tolerance_means_bit_identical() -> None:
-    exact = verify("llama", graft=fused_qkv("llama"), atol=0.0)
+    exact = verify("llama", fused_qkv("llama"), atol=0.0)
     assert exact["logits_match"].passed is True and "max |diff| 0.00e+00" in exact["logits_match"].detail
     shifted = verify("llama", {"LlamaAttention": _ScaledAttention}, atol=0.0)
     assert shifted["logits_match"].passed is False
@@ -343,7 +351,7 @@ def test_only_model_classes_are_built(bad: object) -> None:
 def test_a_missing_path_says_it_does_not_exist(tmp_path: Path) -> None:
     for missing in (tmp_path / "nowhere", str(tmp_path / "nowhere"), "./nowhere", "nowhere/config.json"):
         with pytest.raises(modelgraft.GraftError, match=r"`[^`]*nowhere[^`]*` does not exist"):
-            verify(missing, graft=fused_qkv("llama"))
+            verify(missing, fused_qkv("llama"))
 
 
 def test_a_plain_model_that_cannot_be_built_is_an_error(tmp_path: Path) -> None:
@@ -351,7 +359,7 @@ def test_a_plain_model_that_cannot_be_built_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(
         ValueError, match=r"The plain `LlamaForCausalLM` could not be built from `.*`: RuntimeError"
     ):
-        verify(tmp_path, graft=fused_qkv("llama"))
+        verify(tmp_path, fused_qkv("llama"))
 
 
 @pytest.fixture
@@ -367,7 +375,7 @@ def nan_head_checkpoint(tmp_path: Path) -> Path:
 
 def test_nan_in_the_plain_model_too_fails_the_comparison(nan_head_checkpoint: Path) -> None:
     """A NaN in the reference hides any difference there: the check fails, saying why."""
-    result = verify(nan_head_checkpoint, graft=fused_qkv("llama"))
+    result = verify(nan_head_checkpoint, fused_qkv("llama"))
     logits = result["logits_match"]
     assert logits.passed is False
     assert "`logits`: the plain model itself gives 16 NaN" in logits.detail

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -59,23 +58,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, torch.nn.Module]]:
-    """``make(model_type)``: a plain tiny checkpoint on disk and the plain model it came from."""
-    made: dict[str, tuple[Path, torch.nn.Module]] = {}
-
-    def make(model_type: str) -> tuple[Path, torch.nn.Module]:
-        if model_type not in made:
-            torch.manual_seed(0)
-            model = family(model_type).model().eval()  # the base model where there is no causal LM
-            path = tmp_path_factory.mktemp(f"sync-{model_type}")
-            model.save_pretrained(path)
-            made[model_type] = (path, model)
-        return made[model_type]
-
-    return make
-
-
 def _grafted(how: str, graft: Graft, path: Path, plain: torch.nn.Module) -> torch.nn.Module:
     if how == "load":
         with graft.applied(strict=True):
@@ -89,9 +71,9 @@ def _grafted(how: str, graft: Graft, path: Path, plain: torch.nn.Module) -> torc
 @pytest.mark.parametrize("how", ["load", "in_place"])
 @pytest.mark.parametrize(("make_graft", "model_type"), CASES)
 def test_original_state_dict_is_the_plain_checkpoint_bit_for_bit(
-    make_graft, model_type: str, how: str, checkpoint
+    make_graft, model_type: str, how: str, plain_checkpoint
 ) -> None:
-    path, plain = checkpoint(model_type)
+    path, plain = plain_checkpoint(model_type)
     grafted = _grafted(how, make_graft(model_type), path, plain)
     assert list(grafted.state_dict()) != list(plain.state_dict())  # the layouts differ to begin with
     assert_matches_plain(list(original_state_dict(grafted)), path, plain, grafted)
@@ -100,9 +82,9 @@ def test_original_state_dict_is_the_plain_checkpoint_bit_for_bit(
 @pytest.mark.parametrize("how", ["load", "in_place"])
 @pytest.mark.parametrize(("make_graft", "model_type"), CASES)
 def test_names_and_tensors_are_what_save_pretrained_of_the_grafted_model_writes(
-    make_graft, model_type: str, how: str, checkpoint, tmp_path: Path
+    make_graft, model_type: str, how: str, plain_checkpoint, tmp_path: Path
 ) -> None:
-    path, plain = checkpoint(model_type)
+    path, plain = plain_checkpoint(model_type)
     grafted = _grafted(how, make_graft(model_type), path, plain)
     grafted.save_pretrained(tmp_path)
     written = load_file(tmp_path / "model.safetensors")
@@ -120,13 +102,13 @@ def test_names_and_tensors_are_what_save_pretrained_of_the_grafted_model_writes(
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2_moe"])
-def test_plain_model_streams_its_checkpoint(model_type: str, checkpoint) -> None:
-    path, plain = checkpoint(model_type)
+def test_plain_model_streams_its_checkpoint(model_type: str, plain_checkpoint) -> None:
+    path, plain = plain_checkpoint(model_type)
     assert_matches_plain(list(original_state_dict(plain)), path, plain)
 
 
-def test_untouched_weights_are_the_parameters_themselves(checkpoint) -> None:
-    path, plain = checkpoint("llama")
+def test_untouched_weights_are_the_parameters_themselves(plain_checkpoint) -> None:
+    path, plain = plain_checkpoint("llama")
     grafted = _grafted("load", fused_qkv("llama"), path, plain)
     params = dict(grafted.named_parameters())
     shared = [n for n, t in original_state_dict(grafted) if n in params]
@@ -154,8 +136,8 @@ def _max_alive_converted(model: torch.nn.Module) -> tuple[int, int]:
     return most, len(refs)
 
 
-def test_fused_groups_are_released_one_at_a_time(checkpoint) -> None:
-    path, _ = checkpoint("llama")
+def test_fused_groups_are_released_one_at_a_time(plain_checkpoint) -> None:
+    path, _ = plain_checkpoint("llama")
     with fused_gate_up("llama").applied(strict=True):
         grafted = AutoModelForCausalLM.from_pretrained(path)
     graft_model(grafted, fused_qkv("llama"))
@@ -170,8 +152,8 @@ class _NoReverse(ConversionOperation):
         return tensors
 
 
-def test_copies_made_by_a_reverse_are_released_group_by_group(checkpoint) -> None:
-    path, plain = checkpoint("llama")
+def test_copies_made_by_a_reverse_are_released_group_by_group(plain_checkpoint) -> None:
+    path, plain = plain_checkpoint("llama")
     with fused_qkv("llama").applied(strict=True):
         grafted = AutoModelForCausalLM.from_pretrained(path)
     # an in-place graft on top: its undo builds new tensors, which must not pile up either
@@ -206,8 +188,8 @@ class _RenamedMLP(torch.nn.Module):
         return self.w_out(torch.nn.functional.silu(self.w_in(x)))
 
 
-def test_a_replacement_without_a_way_back_is_refused_before_anything_is_yielded(checkpoint) -> None:
-    path, _ = checkpoint("llama")
+def test_a_replacement_without_a_way_back_is_refused_before_anything_is_yielded(plain_checkpoint) -> None:
+    path, _ = plain_checkpoint("llama")
     with patched({"LlamaMLP": _RenamedMLP}):
         model = AutoModelForCausalLM.from_pretrained(path)
     with pytest.raises(
@@ -224,11 +206,11 @@ def test_not_a_module_is_refused() -> None:
         original_state_dict({"weight": torch.zeros(1)})
 
 
-def test_a_vllm_style_load_weights_consumer_rebuilds_the_plain_model(checkpoint) -> None:
+def test_a_vllm_style_load_weights_consumer_rebuilds_the_plain_model(plain_checkpoint) -> None:
     """vLLM's ``load_weights(weights)`` looks each name up in its own (original-layout) parameters
     and copies the tensor in, one item at a time; a plain model with stale weights stands in for
     the engine."""
-    path, plain = checkpoint("llama")
+    path, plain = plain_checkpoint("llama")
     with fused_qkv("llama").applied(strict=True):
         grafted = AutoModelForCausalLM.from_pretrained(path)
     graft_model(grafted, fused_gate_up("llama"))

@@ -11,30 +11,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, modeling_utils
+from transformers import AutoModelForCausalLM, modeling_utils
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from modelgraft import Concatenate, WeightConverter, _compat, conversion, patched, report
 from modelgraft._compat._wrapping import is_wrapped
 from modelgraft.grafts import fused_qkv_class
+from modelgraft.testing import tiny_config
 
-#: The tiny llama of tests/integration/test_conversion_load.py (grouped-query attention, q/k/v biases).
-TINY_LLAMA = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "vocab_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "attention_bias": True,
-}
+#: The tiny llama of tests/integration/test_conversion_load.py: the family table's, with q/k/v biases.
+TINY_LLAMA = {"attention_bias": True}
 QKV = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])
 FUSED = {"LlamaAttention": fused_qkv_class(LlamaAttention)}
 
 
 def _save_tiny_llama(path: Path) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY_LLAMA)).eval()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", **TINY_LLAMA)).eval()
     model.save_pretrained(path)
     return model
 

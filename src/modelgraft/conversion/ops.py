@@ -74,7 +74,7 @@ def model_config(config: Any) -> Iterator[None]:
         _MODEL_CONFIG.reset(token)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ConversionContext:
     """What the engine knows when it runs one operation of a converter.
 
@@ -158,6 +158,13 @@ def _single_inner_length(tensors: TensorGroups, op: str) -> int:
             f"received {[len(g) for g in tensors]}. Check that the source patterns match the same experts."
         )
     return lengths.pop()
+
+
+def _join_parts(tensors: TensorGroups, dim: int, op: str) -> TensorGroups:
+    """The reverse of splitting one group into parts (``Chunk``, ``Split``): per ``*`` index, the
+    parts concatenated along ``dim`` back into one group."""
+    n = _single_inner_length(tensors, op)
+    return [[torch.cat([group[j] for group in tensors], dim=dim) for j in range(n)]]
 
 
 def _check_dim(tensor: torch.Tensor, dim: int, op: str) -> None:
@@ -264,8 +271,7 @@ class Chunk(ConversionOperation):
         return out
 
     def reverse(self, tensors: TensorGroups, context: ConversionContext) -> TensorGroups:
-        n = _single_inner_length(tensors, "Chunk.reverse")
-        return [[torch.cat([group[j] for group in tensors], dim=self.dim) for j in range(n)]]
+        return _join_parts(tensors, self.dim, "Chunk.reverse")
 
 
 @dataclass(frozen=True)
@@ -462,5 +468,4 @@ class Split(ConversionOperation):
         return out
 
     def reverse(self, tensors: TensorGroups, context: ConversionContext) -> TensorGroups:
-        n = _single_inner_length(tensors, "Split.reverse")
-        return [[torch.cat([group[j] for group in tensors], dim=self.dim) for j in range(n)]]
+        return _join_parts(tensors, self.dim, "Split.reverse")

@@ -38,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 import warnings
@@ -326,7 +327,7 @@ def _check_chunk_size(chunk_size: int | None) -> int | None:
     return chunk_size
 
 
-def chunked_lm_loss_class(causal_lm_class: type, chunk_size: int | None = None) -> type:
+def chunked_lm_loss_class(causal_lm_class: type, *, chunk_size: int | None = None) -> type:
     """Return the chunked-loss subclass of a transformers ``*ForCausalLM`` class (cached).
 
     Args:
@@ -365,7 +366,10 @@ def chunked_lm_loss_class(causal_lm_class: type, chunk_size: int | None = None) 
                 "save_pretrained": _save_pretrained,
                 "_modelgraft_original": causal_lm_class,
                 "_modelgraft_chunk_size": chunk_size,
-                RECIPE_ATTR: (chunked_lm_loss_class, (causal_lm_class, chunk_size)),
+                RECIPE_ATTR: (
+                    functools.partial(chunked_lm_loss_class, chunk_size=chunk_size),
+                    (causal_lm_class,),
+                ),
             },
         )
         _CLASSES[key] = found
@@ -376,7 +380,7 @@ def _grafted_original_or_none(cls: type) -> type | None:
     return cls.__dict__.get("_modelgraft_original") if cls.__name__.startswith(_PREFIX) else None
 
 
-def graft_chunked_lm_loss(model: nn.Module, chunk_size: int | None = None) -> nn.Module:
+def graft_chunked_lm_loss(model: nn.Module, *, chunk_size: int | None = None) -> nn.Module:
     """Switch a built causal LM to the chunked loss, in place, and return it.
 
     The same as ``graft_model(model, graft)`` with a graft that replaces only the model's own class
@@ -404,7 +408,9 @@ def graft_chunked_lm_loss(model: nn.Module, chunk_size: int | None = None) -> nn
             f"`{current.__name__}` is not a transformers causal LM with an `lm_head`; the chunked loss grafts "
             "`*ForCausalLM` models (for a PEFT model, pass `model.get_base_model()`)."
         )
-    graft = Graft({original.__name__: chunked_lm_loss_class(original, chunk_size)}, name="chunked LM loss")
+    graft = Graft(
+        {original.__name__: chunked_lm_loss_class(original, chunk_size=chunk_size)}, name="chunked LM loss"
+    )
     with unpatched():  # this graft alone, as documented
         return graft_model(model, graft)
 
@@ -420,7 +426,7 @@ def _part(model_type: str, chunk_size: int | None = None) -> _Part:
             f"`{model_type}` has no causal-LM class in transformers' `MODEL_FOR_CAUSAL_LM_MAPPING`; the chunked "
             f"loss grafts `*ForCausalLM` models. Families known to work: {', '.join(CHUNKED_LM_LOSS_FAMILIES)}."
         )
-    return _Part({causal_lm.__name__: chunked_lm_loss_class(causal_lm, chunk_size)})
+    return _Part({causal_lm.__name__: chunked_lm_loss_class(causal_lm, chunk_size=chunk_size)})
 
 
 def chunked_lm_loss(*model_types: str, chunk_size: int | None = None) -> Graft:

@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 from typing import Any, cast
@@ -107,6 +108,7 @@ class LinearExpert(nn.Module):
         hidden: int,
         intermediate: int,
         act_fn: Callable[[torch.Tensor], torch.Tensor] | None,
+        *,
         names: tuple[str, str, str] = DEFAULT_NAMES,
         bias: bool = False,
         gate: FamilyGate | None = None,
@@ -285,7 +287,9 @@ class _LinearExpertsBase(nn.ModuleList):
         self.config = config
         _grouped.check_implementation(self)
         for _ in range(num):
-            self.append(LinearExpert(hidden, inter, act_fn, self._expert_names, layout.bias, gate))
+            self.append(
+                LinearExpert(hidden, inter, act_fn, names=self._expert_names, bias=layout.bias, gate=gate)
+            )
 
     def forward(
         self,
@@ -525,7 +529,7 @@ _CLASSES_LOCK = ForkSafeLock()
 
 
 def linear_experts_class(
-    experts_class: type[nn.Module], names: tuple[str, str, str] = DEFAULT_NAMES
+    experts_class: type[nn.Module], *, names: tuple[str, str, str] = DEFAULT_NAMES
 ) -> type[nn.Module]:
     """Return the per-expert ``nn.Linear`` replacement of ``experts_class`` (cached).
 
@@ -541,14 +545,17 @@ def linear_experts_class(
             f"Linear{experts_class.__name__}",
             _LinearStackedExpertsBase,
             experts_class,
-            {RECIPE_ATTR: (linear_experts_class, (experts_class, tuple(names)))},
+            {RECIPE_ATTR: (functools.partial(linear_experts_class, names=names), (experts_class,))},
         )
     return _cached_class(
         (experts_class, tuple(names)),
         f"Linear{experts_class.__name__}",
         _LinearExpertsBase,
         experts_class,
-        {"_expert_names": tuple(names), RECIPE_ATTR: (linear_experts_class, (experts_class, tuple(names)))},
+        {
+            "_expert_names": tuple(names),
+            RECIPE_ATTR: (functools.partial(linear_experts_class, names=names), (experts_class,)),
+        },
     )
 
 
@@ -621,7 +628,7 @@ def _part(model_type: str) -> _Part:
             f"`{model_type}` checkpoints are merged per expert by transformers into the standard layout, but "
             f"{', '.join(f'`{n}`' for n in nonstandard)} store another one; expected (E, 2I, H) without bias."
         )
-    mapping = {cls.__name__: linear_experts_class(cls, names) for cls in found}
+    mapping = {cls.__name__: linear_experts_class(cls, names=names) for cls in found}
     return _Part(mapping, (), drop_expert_merges=True)
 
 

@@ -40,8 +40,8 @@ server mode with several processes.
 
 Example:
     >>> from modelgraft.integrations.trl import RoutingReplayGRPOTrainer, enable_routing_replay
-    >>> RoutingReplayGRPOTrainer.__mro__[2].__name__
-    'GRPOTrainer'
+    >>> [c.__name__ for c in RoutingReplayGRPOTrainer.__mro__[2:4]]
+    ['RoutingReplayMixin', 'GRPOTrainer']
 """
 
 from __future__ import annotations
@@ -365,7 +365,24 @@ def _vllm_returns_routes(enabled: bool) -> Iterator[None]:
         setattr(vllm_generation, "LLM", original)  # noqa: B010
 
 
-class RoutingReplayGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
+class _ReplayOnInit(RoutingReplayMixin):
+    """The constructor of both trainers: vLLM asked for routes while TRL builds the trainer, then
+    replay switched on (the trainer class comes after this one in the bases)."""
+
+    def __init__(
+        self,
+        *args: Any,
+        routing_replay: bool = True,
+        log_routing_mismatch: bool = True,
+        allow_all_zero: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        with _vllm_returns_routes(routing_replay):
+            super().__init__(*args, **kwargs)
+        self._init_routing_replay(routing_replay, log_routing_mismatch, allow_all_zero)
+
+
+class RoutingReplayGRPOTrainer(_ReplayOnInit, GRPOTrainer):
     """TRL's ``GRPOTrainer`` with rollout routing replay (see the module docstring).
 
     Args:
@@ -375,33 +392,10 @@ class RoutingReplayGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
         *args, **kwargs: ``GRPOTrainer``'s.
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        routing_replay: bool = True,
-        log_routing_mismatch: bool = True,
-        allow_all_zero: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        with _vllm_returns_routes(routing_replay):
-            super().__init__(*args, **kwargs)
-        self._init_routing_replay(routing_replay, log_routing_mismatch, allow_all_zero)
 
-
-class RoutingReplayRLOOTrainer(RoutingReplayMixin, RLOOTrainer):
-    """TRL's ``RLOOTrainer`` with rollout routing replay (same generation path as GRPO)."""
-
-    def __init__(
-        self,
-        *args: Any,
-        routing_replay: bool = True,
-        log_routing_mismatch: bool = True,
-        allow_all_zero: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        with _vllm_returns_routes(routing_replay):
-            super().__init__(*args, **kwargs)
-        self._init_routing_replay(routing_replay, log_routing_mismatch, allow_all_zero)
+class RoutingReplayRLOOTrainer(_ReplayOnInit, RLOOTrainer):
+    """TRL's ``RLOOTrainer`` with rollout routing replay (same generation path as GRPO; the same
+    arguments as :class:`RoutingReplayGRPOTrainer`)."""
 
 
 def enable_routing_replay(

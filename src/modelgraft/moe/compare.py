@@ -102,7 +102,7 @@ class RoutingComparison:
         seq = self._seq
         return [(int(p) // seq, int(p) % seq) for p in self.positions[layer]]
 
-    def to_dict(self, max_positions: int = SHOWN_POSITIONS) -> dict[str, Any]:
+    def to_dict(self, *, max_positions: int = SHOWN_POSITIONS) -> dict[str, Any]:
         """A JSON-ready summary: totals, then per layer its counts, rate, overlap and first positions."""
         layers = []
         for i, lid in enumerate(self.layer_ids):
@@ -129,7 +129,7 @@ class RoutingComparison:
             "layers": layers,
         }
 
-    def summary(self, max_positions: int = 8) -> str:
+    def summary(self, *, max_positions: int = 8) -> str:
         """A short text report: totals, then one line per MoE layer."""
         n = len(self.layer_ids)
         lines = [

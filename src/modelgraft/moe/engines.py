@@ -121,9 +121,9 @@ def layout_requests(
     return RoutingTrace(
         [out[:, j].clone() for j in range(num_layers)],
         ids,
-        top_k,
-        num_experts,
-        model_type,
+        top_k=top_k,
+        num_experts=num_experts,
+        model_type=model_type,
         batch_size=batch,
         missing=missing,
     )
@@ -504,7 +504,7 @@ def _refuse_all_zero_layers(requests: list[torch.Tensor], ids: list[int]) -> Non
         )
 
 
-def join_routes(parts: Sequence[tuple[int, Any]], overlap: str = "check") -> torch.Tensor:
+def join_routes(parts: Sequence[tuple[int, Any]], *, overlap: str = "check") -> torch.Tensor:
     """Join one request's routed experts received in parts: multi-turn incremental transfer.
 
     With vLLM's ``SamplingParams.routed_experts_prompt_start`` (SGLang: ``routed_experts_start_len``)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numbers
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -98,6 +98,7 @@ class RoutingTrace:
 
     layers: list[torch.Tensor]
     layer_ids: list[int] = field(default_factory=list)
+    _: KW_ONLY  # the layers and their ids are the data; everything else is named
     top_k: int | None = None
     num_experts: int | None = None
     model_type: str | None = None
