@@ -18,7 +18,7 @@ Matching rules for classes:
   matches only a class bound under exactly that name.
 * Any other key is a regular expression searched for in the class name (like :func:`re.search`)
   by RE2, in time linear in the name, so no key can hang a load; what RE2 cannot express
-  (backreferences, lookaround) is refused at registration (:mod:`modelgraft._patterns`), and a
+  (backreferences, lookaround) is refused at registration (:mod:`modelgraft._safe_regex`), and a
   pattern is matched against each class name once.
 * Exact keys win over patterns; among patterns the one registered first wins. Scoped layers are
   searched innermost first, then the global registry; a scoped key equal to an outer key hides
@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from modelgraft import _patterns
+from modelgraft import _safe_regex
 from modelgraft._forksafe import ForkSafeLock
 from modelgraft.errors import PatchRegistrationError, ReplacementTypeError
 
@@ -94,7 +94,7 @@ def is_exact_key(key: str) -> bool:
 class _Entry:
     key: str
     value: Any  # a replacement class, or a tuple of converters
-    matcher: _patterns.Matcher | None  # for pattern keys of the class registry
+    matcher: _safe_regex.Matcher | None  # for pattern keys of the class registry
     source: str  # "global" or "scoped"
 
 
@@ -349,8 +349,8 @@ def validate_classes(mapping: object, source: str) -> list[_Entry]:
         matcher = None
         if not is_exact_key(key):
             try:
-                matcher = _patterns.matcher(key)
-            except _patterns.UnsafePatternError as exc:
+                matcher = _safe_regex.matcher(key)
+            except _safe_regex.UnsafePatternError as exc:
                 raise PatchRegistrationError(
                     f"Patch key `{key}` is refused: {exc}. Rewrite it with what RE2 supports (alternation, "
                     "classes, repetition, anchors), or use exact class names; see docs/patching.md, 'Key "

@@ -47,7 +47,7 @@ from modelgraft._forksafe import ForkSafeLock
 from modelgraft.errors import RoutingError
 from modelgraft.grafts import _grouped_experts as _grouped
 from modelgraft.grafts import _peft
-from modelgraft.grafts._bundle import (
+from modelgraft.grafts._common import (
     Graft,
     UnsupportedFamilyError,
     _Part,

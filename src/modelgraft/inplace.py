@@ -16,7 +16,7 @@ to a model that already exists, in place, and carries its loaded weights across:
    first when the live layout differs from the checkpoint's). A parameter nothing fills, or an
    original weight nothing takes, is an error. Per parameter ``requires_grad``, dtype and device,
    per submodule train/eval mode, and hooks are carried over, or refused where they cannot be
-   exactly (see :mod:`modelgraft._live_carry`).
+   exactly (see :mod:`modelgraft._inplace_state`).
 3. *Then swap.* Only when every replacement is ready are they put into their parents, so a
    failure leaves the model exactly as it was. The model then remembers the conversion groups
    that ran and the conversion entries in effect, so that ``save_pretrained`` writes the original
@@ -51,7 +51,8 @@ from typing import Any
 import torch
 
 from modelgraft import _compat, recorders, registry, swap
-from modelgraft._live_carry import (
+from modelgraft._inplace_optim import Moved, plan_optimizer, retire
+from modelgraft._inplace_state import (
     HookMove,
     copy_modes,
     move_hooks,
@@ -61,7 +62,6 @@ from modelgraft._live_carry import (
     refuse_wrapped,
     same_dtype_and_device,
 )
-from modelgraft._live_optim import Moved, plan_optimizer, retire
 from modelgraft.conversion._plan import Group, plan_groups, run_convert
 from modelgraft.conversion.save import remember_graft
 from modelgraft.conversion.scopes import Scope, resolve_scopes, scope_for

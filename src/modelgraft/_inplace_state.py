@@ -19,7 +19,7 @@ changes until :func:`move_hooks` runs at swap time, which cannot fail.
 
 Example:
     >>> import torch
-    >>> from modelgraft._live_carry import raw_state
+    >>> from modelgraft._inplace_state import raw_state
     >>> sorted(raw_state(torch.nn.Linear(2, 2)))
     ['bias', 'weight']
 """
