@@ -45,6 +45,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "modelgraft._forksafe",
             "modelgraft._wrapping",
             "modelgraft._safe_regex",
+            "modelgraft._registry_snapshot",
             "modelgraft.report",
             "modelgraft._compare",
             "modelgraft._model_lookup",
