@@ -161,6 +161,19 @@ def graft_model(
             model.__class__ = root.replacement_cls
         if targets:
             remember_graft(model, [g for t in targets for g in t.groups], scopes)
+    _report(model, graft, root, targets)
+    if targets:
+        recorders.patch_output_recorders(
+            model, replacements={type(t.original): t.replacement_cls for t in targets}
+        )
+    return model
+
+
+def _report(
+    model: torch.nn.Module, graft: Graft | None, root: _Root | None, targets: Sequence[_Target]
+) -> None:
+    """Add what the graft replaced and converted to the model's report, and the graft's keys that
+    matched nothing."""
     rep = report_for(model)
     used = {t.key for t in targets}
     if root is not None:
@@ -177,11 +190,6 @@ def graft_model(
     rep.conversions.extend(r for t in targets for r in t.records)
     if graft is not None:
         rep.unmatched_keys.extend(k for k in graft.mapping if k not in used and k not in rep.unmatched_keys)
-    if targets:
-        recorders.patch_output_recorders(
-            model, replacements={type(t.original): t.replacement_cls for t in targets}
-        )
-    return model
 
 
 @contextlib.contextmanager
