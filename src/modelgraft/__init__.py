@@ -55,7 +55,7 @@ from modelgraft.errors import (
 )
 from modelgraft.graft import Graft, register_graft, unregister_graft
 from modelgraft.hooks import apply_patches, patched, unpatched
-from modelgraft.live import graft_model
+from modelgraft.inplace import graft_model
 from modelgraft.recorders import patch_output_recorders
 from modelgraft.registry import (
     clear_patch_mapping,

@@ -31,7 +31,7 @@ import torch
 from transformers import logging as hf_logging
 
 from modelgraft import _compat, registry, swap
-from modelgraft._target import TargetError, import_object, model_class_for, resolve_config
+from modelgraft._model_lookup import TargetError, import_object, model_class_for, resolve_config
 from modelgraft.errors import GraftError
 from modelgraft.graft import Graft, scope
 from modelgraft.verify import verify

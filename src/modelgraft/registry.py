@@ -2,7 +2,7 @@
 
 One mechanism backs both kinds of entries:
 
-* **Layers.** The global registry is one immutable :class:`_Layer` (its classes and its
+* **Layers.** The global registry is one immutable ``Layer`` (its classes and its
   conversions); every write replaces it whole, under a lock. ``scoped(...)`` (``patched``) pushes
   a layer of its own onto a ContextVar stack, so it is visible only in the current thread or
   asyncio task; ``isolated()`` (``unpatched``) pushes a barrier that hides what lies below it.
@@ -12,13 +12,16 @@ One mechanism backs both kinds of entries:
   included: everything in the load reads :func:`current`, never the live registry, so a
   registration made meanwhile (by a hook, or by another thread) applies from the next load on.
 
+The values (entries, tables, layers, :class:`Snapshot`) are in :mod:`modelgraft._registry_snapshot`;
+this module holds the one global layer, writes it, pushes scoped layers and takes snapshots.
+
 Matching rules for classes:
 
 * A key made only of identifier characters (``LlamaAttention``) is an *exact* class name and
   matches only a class bound under exactly that name.
 * Any other key is a regular expression searched for in the class name (like :func:`re.search`)
   by RE2, in time linear in the name, so no key can hang a load; what RE2 cannot express
-  (backreferences, lookaround) is refused at registration (:mod:`modelgraft._patterns`), and a
+  (backreferences, lookaround) is refused at registration (:mod:`modelgraft._safe_regex`), and a
   pattern is matched against each class name once.
 * Exact keys win over patterns; among patterns the one registered first wins. Scoped layers are
   searched innermost first, then the global registry; a scoped key equal to an outer key hides
@@ -37,20 +40,30 @@ Example:
 
 from __future__ import annotations
 
-import itertools
 import os
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
 import torch
 
-from modelgraft import _patterns
+from modelgraft import _safe_regex
 from modelgraft._forksafe import ForkSafeLock
+from modelgraft._registry_snapshot import (
+    CLASSES,
+    CONVERSIONS,
+    EMPTY,
+    KINDS,
+    Candidate,
+    Entry,
+    Explanation,
+    Layer,
+    Snapshot,
+    Table,
+    is_exact_key,
+)
 from modelgraft.errors import PatchRegistrationError, ReplacementTypeError
 
 __all__ = [
@@ -74,258 +87,12 @@ __all__ = [
     "unregister_patch_mapping",
 ]
 
-CLASSES, CONVERSIONS = "classes", "conversions"
-_KINDS = (CLASSES, CONVERSIONS)
-_serials = itertools.count(1)
-_VERSIONS_MAX = 1024
-
-
-def is_exact_key(key: str) -> bool:
-    """Return True when ``key`` is an exact class name rather than a regular expression.
-
-    Example:
-        >>> is_exact_key("T5Attention"), is_exact_key(".*Attention"), is_exact_key("^T5Attention$")
-        (True, False, False)
-    """
-    return key.isidentifier()
-
-
-@dataclass(frozen=True)
-class _Entry:
-    key: str
-    value: Any  # a replacement class, or a tuple of converters
-    matcher: _patterns.Matcher | None  # for pattern keys of the class registry
-    source: str  # "global" or "scoped"
-
-
-class _Table:
-    """An immutable sequence of entries that is cheap to extend.
-
-    Successive global tables share one list: a table sees the first ``n`` items, and extending the
-    newest table appends to the list (older tables keep seeing their prefix). Registering keys one
-    by one is therefore linear in total; only overwriting or removing keys copies.
-    """
-
-    __slots__ = ("_items", "_n")
-
-    def __init__(self, items: list[_Entry] | None = None) -> None:
-        self._items = items if items is not None else []
-        self._n = len(self._items)
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __iter__(self) -> Iterator[_Entry]:
-        items = self._items
-        return (items[i] for i in range(self._n))
-
-    def extended(self, entries: Iterable[_Entry]) -> _Table:
-        items = self._items
-        if not self._n:  # never grow the list of an empty table (``_EMPTY`` is shared)
-            items = []
-        elif len(items) != self._n:  # the shared list already holds entries beyond this table
-            items = items[: self._n]
-        items.extend(entries)
-        return _Table(items)
-
-    def replaced(self, position: int, entry: _Entry) -> _Table:
-        items = list(self)
-        items[position] = entry
-        return _Table(items)
-
-    def without(self, keys: set[str]) -> _Table:
-        return _Table([e for e in self if e.key not in keys])
-
-
-_EMPTY = _Table()
-
-
-class _Layer:
-    """One set of entries: the global registry, one ``scoped`` block, or an ``isolated`` barrier.
-
-    ``hides`` names the kinds a barrier hides below it. The last snapshot computed with this
-    layer innermost is cached on it, so it goes away with the layer.
-    """
-
-    __slots__ = ("_snap", "classes", "conversions", "hides", "serial", "source", "strict")
-
-    def __init__(
-        self,
-        classes: _Table = _EMPTY,
-        conversions: _Table = _EMPTY,
-        source: str = "global",
-        strict: bool = False,
-        hides: frozenset[str] = frozenset(),
-    ) -> None:
-        self.classes = classes
-        self.conversions = conversions
-        self.source = source
-        self.strict = strict
-        self.hides = hides
-        self.serial = next(_serials)
-        self._snap: tuple[tuple[int, ...], Snapshot] | None = None
-
-    def table(self, kind: str) -> _Table:
-        return self.classes if kind == CLASSES else self.conversions
-
-
-# ---- class identities and snapshot versions (no strong reference to any class) ----------------
-_class_serials: dict[int, tuple[int, weakref.ref[Any]]] = {}
-_versions: dict[tuple[tuple[str, int], ...], int] = {}
-
-
-def _class_serial(cls: type) -> int:
-    """A number that identifies ``cls`` for as long as it lives and is never reused afterwards."""
-    found = _class_serials.get(id(cls))
-    if found is not None and found[1]() is cls:
-        return found[0]
-    ident = id(cls)
-
-    def forget(_ref: weakref.ref[Any], ident: int = ident) -> None:
-        entry = _class_serials.get(ident)
-        if entry is not None and entry[1] is _ref:
-            del _class_serials[ident]
-
-    serial = next(_serials)
-    _class_serials[ident] = (serial, weakref.ref(cls, forget))
-    return serial
-
-
-def _version(content: tuple[tuple[str, int], ...]) -> int:
-    """The same number for the same effective class mapping, so plans derived from it are reused."""
-    version = _versions.get(content)
-    if version is None:
-        if len(_versions) >= _VERSIONS_MAX:
-            _versions.clear()  # forgetting only costs a re-plan
-        version = _versions[content] = next(_serials)
-    return version
-
-
-class Snapshot:
-    """An immutable view of the effective registry (scoped layers over the global one).
-
-    It carries the replacement classes (:meth:`find`, ``mapping``, ``sources``), the conversions
-    (``conversions``, :meth:`lookup_conversions`) and ``strict`` (whether an enclosing
-    ``patched(..., strict=True)`` asks for strict loads). The truth value is whether any class is
-    replaced. ``version`` identifies the class mapping: equal versions mean equal mappings, so
-    plans derived from a snapshot are cached by version.
-    """
-
-    __slots__ = (
-        "__weakref__",
-        "_by_key",
-        "_exact",
-        "_memo",
-        "_patterns",
-        "conversions",
-        "mapping",
-        "sources",
-        "strict",
-        "version",
-    )
-
-    def __init__(self, layers: tuple[_Layer, ...]) -> None:
-        exact: dict[str, _Entry] = {}
-        patterns: list[_Entry] = []
-        seen: set[str] = set()
-        conversions: dict[str, tuple[Any, ...]] = {}
-        hidden: set[str] = set()
-        strict = False
-        # Innermost layer first: scoped entries hide outer ones with the same key.
-        for layer in reversed(layers):
-            if layer.hides:
-                hidden |= layer.hides
-                if CLASSES in layer.hides:
-                    hidden.add("strict")  # `unpatched()` also ends an enclosing strict block
-                continue
-            if "strict" not in hidden:
-                strict = strict or layer.strict
-            if CLASSES not in hidden:
-                for entry in layer.classes:
-                    if entry.key in seen:
-                        continue
-                    seen.add(entry.key)
-                    if entry.matcher is None:
-                        exact[entry.key] = entry
-                    else:
-                        patterns.append(entry)
-            if CONVERSIONS not in hidden:
-                for entry in layer.conversions:
-                    conversions.setdefault(entry.key, entry.value)
-        self._exact = exact
-        self._patterns = tuple(patterns)
-        self._memo: dict[str, _Entry | None] = {}
-        ordered = [*exact.values(), *patterns]
-        self._by_key = {e.key: e for e in ordered}
-        self.mapping: Mapping[str, type] = MappingProxyType({e.key: e.value for e in ordered})
-        self.sources: Mapping[str, str] = MappingProxyType({e.key: e.source for e in ordered})
-        self.conversions: Mapping[str, tuple[Any, ...]] = MappingProxyType(conversions)
-        self.strict = strict
-        self.version = _version(tuple((e.key, _class_serial(e.value)) for e in ordered))
-
-    def __bool__(self) -> bool:
-        return bool(self.mapping)
-
-    def __len__(self) -> int:
-        return len(self.mapping)
-
-    def __repr__(self) -> str:
-        return f"Snapshot(version={self.version}, keys={list(self.mapping)}, conversions={list(self.conversions)})"
-
-    def find(self, class_name: str) -> tuple[str, type] | None:
-        """Return ``(key, replacement)`` for ``class_name``, or None when no key matches."""
-        try:
-            entry = self._memo[class_name]
-        except KeyError:
-            entry = self._exact.get(class_name)
-            if entry is None:
-                entry = next((e for e in self._patterns if e.matcher.matches(class_name)), None)  # type: ignore[union-attr]
-            self._memo[class_name] = entry
-        return None if entry is None else (entry.key, entry.value)
-
-    def matches(self, key: str, class_name: str) -> bool:
-        """Whether the registered ``key`` matches ``class_name`` (exact name, or ``re.search``)."""
-        matcher = self._by_key[key].matcher
-        return key == class_name if matcher is None else matcher.matches(class_name)
-
-    def lookup_conversions(
-        self, class_name: str, model_type: str | None
-    ) -> tuple[str, tuple[Any, ...]] | None:
-        """Return ``(key, converters)`` for a (sub)model: its class name first, then ``model_type``."""
-        for key in (class_name, model_type):
-            if key and key in self.conversions:
-                return key, self.conversions[key]
-        return None
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One registry key considered by :func:`explain`."""
-
-    key: str
-    kind: str  # "exact" or "pattern"
-    source: str  # "global" or "scoped"
-    replacement: str  # qualified name of the replacement class
-    matches: bool
-    reason: str
-
-
-@dataclass(frozen=True)
-class Explanation:
-    """Why a class name is (or is not) replaced under a snapshot."""
-
-    class_name: str
-    winner: str | None  # the winning key
-    replacement: type | None
-    candidates: tuple[Candidate, ...]
-
-
 # ---- global state ------------------------------------------------------------------------------
 _write_lock = ForkSafeLock()
-_global = _Layer()
+_global = Layer()
 # key -> position in the global table of that kind; only read and written under _write_lock.
 _positions: dict[str, dict[str, int]] = {CLASSES: {}, CONVERSIONS: {}}
-_overlays: ContextVar[tuple[_Layer, ...]] = ContextVar("modelgraft_overlays", default=())
+_overlays: ContextVar[tuple[Layer, ...]] = ContextVar("modelgraft_overlays", default=())
 _pinned: ContextVar[Snapshot | None] = ContextVar("modelgraft_pinned_snapshot", default=None)
 
 
@@ -333,7 +100,7 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def validate_classes(mapping: object, source: str) -> list[_Entry]:
+def validate_classes(mapping: object, source: str) -> list[Entry]:
     """Validate every entry of ``mapping`` and return them; raise before anything changes."""
     if not isinstance(mapping, Mapping):
         raise PatchRegistrationError(
@@ -349,8 +116,8 @@ def validate_classes(mapping: object, source: str) -> list[_Entry]:
         matcher = None
         if not is_exact_key(key):
             try:
-                matcher = _patterns.matcher(key)
-            except _patterns.UnsafePatternError as exc:
+                matcher = _safe_regex.matcher(key)
+            except _safe_regex.UnsafePatternError as exc:
                 raise PatchRegistrationError(
                     f"Patch key `{key}` is refused: {exc}. Rewrite it with what RE2 supports (alternation, "
                     "classes, repetition, anchors), or use exact class names; see docs/patching.md, 'Key "
@@ -371,13 +138,13 @@ def validate_classes(mapping: object, source: str) -> list[_Entry]:
                 f"Replacement `{replacement.__qualname__}` for key `{key}` must be a subclass of nn.Module "
                 "(`torch.nn.Module`). Derive it from the class it replaces or from `torch.nn.Module`."
             )
-        entries.append(_Entry(key, replacement, matcher, source))
+        entries.append(Entry(key, replacement, matcher, source))
     return entries
 
 
-def _conversion_entries(conversions: Mapping[str, tuple[Any, ...]], source: str) -> list[_Entry]:
+def _conversion_entries(conversions: Mapping[str, tuple[Any, ...]], source: str) -> list[Entry]:
     """Entries for conversions already validated by :mod:`modelgraft.conversion.rules`."""
-    return [_Entry(key, tuple(value), None, source) for key, value in conversions.items()]
+    return [Entry(key, tuple(value), None, source) for key, value in conversions.items()]
 
 
 # ---- global writes: one lock, one new global layer per write -----------------------------------
@@ -385,7 +152,7 @@ def _conversion_entries(conversions: Mapping[str, tuple[Any, ...]], source: str)
 class _Additions:
     """Entries to add to the global table of one kind, and the error for a key already there."""
 
-    entries: list[_Entry]
+    entries: list[Entry]
     overwrite: bool
     duplicate: Callable[[str, Any], Exception]  # (key, registered value) -> error
 
@@ -413,12 +180,12 @@ def _add(batches: Mapping[str, _Additions]) -> None:
                     if entry.key in positions:
                         existing = list(_global.table(kind))[positions[entry.key]].value
                         raise batch.duplicate(entry.key, existing)
-        tables = {kind: _global.table(kind) for kind in _KINDS}
+        tables = {kind: _global.table(kind) for kind in KINDS}
         new_positions = {}
         for kind, batch in batches.items():
             positions = dict(_positions[kind]) if len(batches) > 1 else _positions[kind]
             table = tables[kind]
-            new: dict[str, _Entry] = {}
+            new: dict[str, Entry] = {}
             for entry in batch.entries:
                 if entry.key in positions:
                     table = table.replaced(positions[entry.key], entry)
@@ -429,7 +196,7 @@ def _add(batches: Mapping[str, _Additions]) -> None:
             for i, key in enumerate(new, start):
                 positions[key] = i
             new_positions[kind] = positions
-        _global = _Layer(tables[CLASSES], tables[CONVERSIONS])
+        _global = Layer(tables[CLASSES], tables[CONVERSIONS])
         _positions.update(new_positions)
 
 
@@ -441,10 +208,10 @@ def _remove(batches: Mapping[str, _Removals]) -> None:
             missing = [k for k in batch.keys if k not in _positions[kind]]
             if missing:
                 raise batch.unknown(missing, sorted(_positions[kind]))
-        tables = {kind: _global.table(kind) for kind in _KINDS}
+        tables = {kind: _global.table(kind) for kind in KINDS}
         for kind, batch in batches.items():
             tables[kind] = tables[kind].without(set(batch.keys))
-        _global = _Layer(tables[CLASSES], tables[CONVERSIONS])
+        _global = Layer(tables[CLASSES], tables[CONVERSIONS])
         for kind in batches:
             _positions[kind] = {e.key: i for i, e in enumerate(tables[kind])}
 
@@ -453,9 +220,9 @@ def _clear(kind: str) -> None:
     global _global
     with _write_lock:
         _positions[kind] = {}
-        tables = {k: _global.table(k) for k in _KINDS}
-        tables[kind] = _EMPTY
-        _global = _Layer(tables[CLASSES], tables[CONVERSIONS])
+        tables = {k: _global.table(k) for k in KINDS}
+        tables[kind] = EMPTY
+        _global = Layer(tables[CLASSES], tables[CONVERSIONS])
 
 
 def _global_entries(kind: str) -> dict[str, Any]:
@@ -633,7 +400,7 @@ def restoring() -> Iterator[None]:
     finally:
         with _write_lock:
             _global = saved
-            for kind in _KINDS:
+            for kind in KINDS:
                 _positions[kind] = {e.key: i for i, e in enumerate(saved.table(kind))}
 
 
@@ -739,7 +506,7 @@ def explain(class_name: str, snap: Snapshot | None = None) -> Explanation:
 
 # ---- scoped layers -----------------------------------------------------------------------------
 @contextmanager
-def _pushed(layer: _Layer) -> Iterator[None]:
+def _pushed(layer: Layer) -> Iterator[None]:
     """Push ``layer`` for this thread/task; on exit remove exactly this layer.
 
     Removing by identity (not by resetting a token) keeps blocks exited out of order correct:
@@ -780,9 +547,9 @@ def scoped(
         >>> get_patch_mapping()
         {}
     """
-    layer = _Layer(
-        _Table(validate_classes(mapping if mapping is not None else {}, "scoped")),
-        _Table(_conversion_entries(conversions or {}, "scoped")),
+    layer = Layer(
+        Table(validate_classes(mapping if mapping is not None else {}, "scoped")),
+        Table(_conversion_entries(conversions or {}, "scoped")),
         source="scoped",
         strict=strict,
     )
@@ -807,7 +574,7 @@ def isolated(classes: bool = True, conversions: bool = True) -> Iterator[None]:
         ['LlamaMLP']
     """
     hides = frozenset(k for k, on in ((CLASSES, classes), (CONVERSIONS, conversions)) if on)
-    with _pushed(_Layer(source="barrier", hides=hides)):
+    with _pushed(Layer(source="barrier", hides=hides)):
         yield
 
 
@@ -815,7 +582,7 @@ def isolated(classes: bool = True, conversions: bool = True) -> Iterator[None]:
 def _after_fork_in_child() -> None:
     """A thread that was writing when the process forked does not exist in the child: rebuild the
     writer's index from the global layer actually published (its lock is renewed by ``_forksafe``)."""
-    for kind in _KINDS:
+    for kind in KINDS:
         _positions[kind] = {e.key: i for i, e in enumerate(_global.table(kind))}
 
 

@@ -49,7 +49,7 @@ from transformers import logging as hf_logging
 
 from modelgraft._compare import compare_outputs, few, same_bits
 from modelgraft._families import tiny_config
-from modelgraft._target import (
+from modelgraft._model_lookup import (
     TargetError,
     ensure_model_class,
     looks_like_path,

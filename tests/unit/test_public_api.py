@@ -155,8 +155,8 @@ def test_every_exception_subclasses_graft_error_and_a_builtin() -> None:
 
 def test_errors_keep_their_old_import_paths() -> None:
     from modelgraft import grafts, testing
-    from modelgraft._patterns import UnsafePatternError
-    from modelgraft._target import TargetError
+    from modelgraft._model_lookup import TargetError
+    from modelgraft._safe_regex import UnsafePatternError
     from modelgraft.grafts._chunked_ce import DoubleBackwardError, LossInputError
     from modelgraft.verify import VerifyArgumentError
 

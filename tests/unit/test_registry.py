@@ -35,7 +35,7 @@ from modelgraft import (
     PatchRegistrationError,
     ReplacementTypeError,
     WeightConverter,
-    _patterns,
+    _safe_regex,
     apply_patches,
     clear_patch_mapping,
     get_checkpoint_conversion_mapping,
@@ -250,7 +250,7 @@ def test_patterns_that_backtrack_in_re_are_matched_in_linear_time(key: str) -> N
     """Shapes that take Python's `re` exponential time on a near miss (`(\\w\\w?)+!` passed the old static
     check and took over 8 s on one 40-character name) answer at once; a guard thread fails a hang."""
     register_patch_mapping({key: A})
-    assert type(_patterns.matcher(key).regex).__module__.startswith("re2")  # the linear-time engine
+    assert type(_safe_regex.matcher(key).regex).__module__.startswith("re2")  # the linear-time engine
     name = "A" * 40 + "Attention"
     found: list[object] = []
     worker = threading.Thread(target=lambda: found.append(find_replacement(name)), daemon=True)
@@ -306,7 +306,7 @@ def test_ordinary_patterns_are_accepted(key: str) -> None:
 
 def test_a_pattern_is_matched_once_per_class_name(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: collections.Counter[str] = collections.Counter()
-    real_compile = _patterns._compile
+    real_compile = _safe_regex._compile
 
     class CountingPattern:
         def __init__(self, compiled: Any) -> None:
@@ -318,7 +318,7 @@ def test_a_pattern_is_matched_once_per_class_name(monkeypatch: pytest.MonkeyPatc
 
     key = ".*Attention$(?#matched-once test)"  # a pattern string no other test compiles
     with monkeypatch.context() as m:
-        m.setattr(_patterns, "_compile", lambda pattern: CountingPattern(real_compile(pattern)))
+        m.setattr(_safe_regex, "_compile", lambda pattern: CountingPattern(real_compile(pattern)))
         register_patch_mapping({key: A})
     for i in range(3):
         register_patch_mapping({f"Other{i}": B})  # every registration makes a new snapshot

@@ -65,6 +65,7 @@ if TYPE_CHECKING:  # only named in annotations
 __all__ = ["Expected", "check_sources", "expected_sources", "shapes_text"]
 
 Shape = tuple[int, ...]
+ShapeLists = list[list[Shape]]
 
 
 @dataclass(frozen=True)
@@ -139,65 +140,101 @@ def _equal_parts(ops: Sequence[object], targets: ShapeGroups, num_sources: int) 
     entering = _groups_entering(ops, num_sources, len(targets))
     if entering is None:
         return None
-    shapes: list[list[Shape]] = [[tuple(s) for s in group] for group in targets]
+    shapes: ShapeLists = [[tuple(s) for s in group] for group in targets]
     for op, count in zip(reversed(ops), reversed(entering)):
-        if isinstance(op, Concatenate):
-            if len(shapes) != 1:
-                return None
-            parts: list[list[Shape]] = [[] for _ in range(count)]
-            for shape in shapes[0]:
-                d = _dim(shape, op.dim)
-                if d is None or shape[d] % count:
-                    return None
-                for part in parts:
-                    part.append((*shape[:d], shape[d] // count, *shape[d + 1 :]))
-            shapes = parts
-        elif isinstance(op, Chunk):
-            lengths = {len(group) for group in shapes}
-            if len(lengths) != 1 or not shapes:
-                return None
-            joined = []
-            for j in range(lengths.pop()):
-                first = shapes[0][j]
-                d = _dim(first, op.dim)
-                if d is None:
-                    return None
-                joined.append((*first[:d], sum(group[j][d] for group in shapes), *first[d + 1 :]))
-            shapes = [joined]
-        elif isinstance(op, MergeModulelist):
-            if any(len(group) != 1 for group in shapes):
-                return None
-            unstacked = []
-            for (shape,) in shapes:
-                d = _dim(shape, op.dim)
-                if d is None:
-                    return None
-                unstacked.append([(*shape[:d], *shape[d + 1 :])] * shape[d])
-            shapes = unstacked
-        elif isinstance(op, SplitModulelist):
-            stacked = []
-            for group in shapes:
-                if not group or len(set(group)) != 1:
-                    return None
-                d = op.dim % (len(group[0]) + 1)
-                stacked.append([(*group[0][:d], len(group), *group[0][d:])])
-            shapes = stacked
-        elif isinstance(op, Transpose):
-            swapped = []
-            for group in shapes:
-                out = []
-                for shape in group:
-                    a, b = _dim(shape, op.dim0), _dim(shape, op.dim1)
-                    if a is None or b is None:
-                        return None
-                    s = list(shape)
-                    s[a], s[b] = s[b], s[a]
-                    out.append(tuple(s))
-                swapped.append(out)
-            shapes = swapped
+        # `_groups_entering` accepted every operation, so each has its step.
+        step = next(step for kind, step in _REVERSE_SHAPES if isinstance(op, kind))
+        given = step(op, shapes, count)
+        if given is None:
+            return None
+        shapes = given
     if len(shapes) != num_sources:
         return None
     return [[torch.Size(s) for s in group] for group in shapes]
+
+
+# Each step below maps the shapes an operation produced on load to the shapes it was given, as the
+# operation's reverse writes them; ``None`` when the shapes say nothing (a dim out of range, parts
+# that do not divide evenly). ``count`` is how many groups entered the operation on load.
+
+
+def _split_concatenated(op: Any, shapes: ShapeLists, count: int) -> ShapeLists | None:
+    """``Concatenate``'s reverse: the one group cut into ``count`` equal parts along ``op.dim``."""
+    if len(shapes) != 1:
+        return None
+    parts: ShapeLists = [[] for _ in range(count)]
+    for shape in shapes[0]:
+        d = _dim(shape, op.dim)
+        if d is None or shape[d] % count:
+            return None
+        for part in parts:
+            part.append((*shape[:d], shape[d] // count, *shape[d + 1 :]))
+    return parts
+
+
+def _join_chunks(op: Any, shapes: ShapeLists, count: int) -> ShapeLists | None:
+    """``Chunk``'s reverse: the chunks of each position joined back along ``op.dim``."""
+    lengths = {len(group) for group in shapes}
+    if len(lengths) != 1 or not shapes:
+        return None
+    joined = []
+    for j in range(lengths.pop()):
+        first = shapes[0][j]
+        d = _dim(first, op.dim)
+        if d is None:
+            return None
+        joined.append((*first[:d], sum(group[j][d] for group in shapes), *first[d + 1 :]))
+    return [joined]
+
+
+def _unstack(op: Any, shapes: ShapeLists, count: int) -> ShapeLists | None:
+    """``MergeModulelist``'s reverse: each stacked tensor back into one entry per expert."""
+    if any(len(group) != 1 for group in shapes):
+        return None
+    unstacked = []
+    for (shape,) in shapes:
+        d = _dim(shape, op.dim)
+        if d is None:
+            return None
+        unstacked.append([(*shape[:d], *shape[d + 1 :])] * shape[d])
+    return unstacked
+
+
+def _stack(op: Any, shapes: ShapeLists, count: int) -> ShapeLists | None:
+    """``SplitModulelist``'s reverse: the equal entries of each group stacked along ``op.dim``."""
+    stacked = []
+    for group in shapes:
+        if not group or len(set(group)) != 1:
+            return None
+        d = op.dim % (len(group[0]) + 1)
+        stacked.append([(*group[0][:d], len(group), *group[0][d:])])
+    return stacked
+
+
+def _swap_back(op: Any, shapes: ShapeLists, count: int) -> ShapeLists | None:
+    """``Transpose``'s reverse: the same two dims swapped back."""
+    swapped = []
+    for group in shapes:
+        out = []
+        for shape in group:
+            a, b = _dim(shape, op.dim0), _dim(shape, op.dim1)
+            if a is None or b is None:
+                return None
+            s = list(shape)
+            s[a], s[b] = s[b], s[a]
+            out.append(tuple(s))
+        swapped.append(out)
+    return swapped
+
+
+#: The operations ``_groups_entering`` accepts, each with its reverse step on shapes.
+_REVERSE_SHAPES: tuple[tuple[type, Callable[[Any, ShapeLists, int], ShapeLists | None]], ...] = (
+    (Concatenate, _split_concatenated),
+    (Chunk, _join_chunks),
+    (MergeModulelist, _unstack),
+    (SplitModulelist, _stack),
+    (Transpose, _swap_back),
+)
 
 
 def expected_sources(

@@ -19,7 +19,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -177,61 +178,106 @@ def plan_hf_groups(
     plan = Plan()
     targets = list(target_keys)
     wanted = set(targets)
-    model_keys = set(targets)
-    renamings = [c for c in converters if not c.operations]
     convs = [c for c in converters if c.operations]
-    # (converter position, renamed key) -> [(source pattern, index, checkpoint key)]
-    collected: dict[tuple[int, str], list[tuple[int, int | None, str]]] = {}
-    matches: dict[tuple[int, str], _Found] = {}
     keys = sorted(source_shapes, key=natural_key)
     # A guarded group renaming (transformers' GroupWeightRename) acts only where its first source
     # pattern is present: a checkpoint already in the new layout is left as it is.
-    renamings = [r for r in renamings if not getattr(r, "guarded", False) or _guard_seen(r, keys)]
-    # As in transformers, every checkpoint key is renamed, also one that names a model key itself.
-    for key in keys:
-        renamed, conv, found, fired = rename_key(key, renamings, convs)
-        adjusted = _base_adjust(renamed, base_model_prefix, model_keys)
-        saved = _saved_name(key, renamed, adjusted, base_model_prefix)
-        if saved != key:
-            plan.read_from[saved] = key
-        if conv is not None:
-            assert found is not None  # rename_key returns the match with its converter
-            found = _shift(found, renamed, adjusted, base_model_prefix)
-            if found is None:
-                continue
-        renamed = adjusted
-        if conv is None:
-            moved = bool(fired) and renamed != key
-            if renamed in wanted and (moved or renamed in unfilled):
-                label = fired[0] if fired else AS_IS
-                plan.groups.append(
-                    Group(label, ((saved,),), ((renamed,),), [[torch.Size(source_shapes[key])]])
-                )
-                wanted.discard(renamed)
+    renamings = [
+        r
+        for r in converters
+        if not r.operations and (not getattr(r, "guarded", False) or _guard_seen(r, keys))
+    ]
+    renames = _Renames(renamings, convs, set(targets), base_model_prefix)
+    collected = renames.collect(plan, keys, source_shapes, wanted, unfilled)
+
+    def shape_of(key: str) -> torch.Size:
+        return torch.Size(source_shapes[plan.read_from.get(key, key)])
+
+    for (position, _renamed), (found, items) in collected.items():
+        group = _converter_group(convs[position], found, items, targets, wanted, shape_of, strict_sources)
+        if group is None:
             continue
-        assert found is not None  # shifted above: a converter's match
-        slot = (convs.index(conv), renamed)
-        collected.setdefault(slot, []).append((found[1], found[2], saved))
-        matches.setdefault(slot, found)
-    for (position, _renamed), items in collected.items():
-        conv = convs[position]
-        target_groups = _targets_of(conv, matches[(position, _renamed)], targets)
-        if not all(target_groups) or not all(k in wanted for g in target_groups for k in g):
-            continue  # not this converter's layout, or already loaded
-        per_pattern: list[list[tuple[int, str]]] = [[] for _ in conv._sources]
-        for i, index, key in items:
-            per_pattern[i].append((-1 if index is None else index, key))
-        if any(not p for p in per_pattern):
-            if strict_sources:
-                absent = [conv.source_patterns[i] for i, p in enumerate(per_pattern) if not p]
-                raise MissingSourceKeyError(
-                    f"Converter {conv!r} needs a checkpoint key for source pattern `{absent[0]}` to build "
-                    f"`{target_groups[0][0]}`, but the checkpoint holds none. Check the converter's source "
-                    "patterns against the checkpoint's keys."
-                )
-            continue
-        sources = tuple(tuple(k for _, k in sorted(p, key=lambda x: x[0])) for p in per_pattern)
-        shapes = [[torch.Size(source_shapes[plan.read_from.get(k, k)]) for k in ks] for ks in sources]
-        plan.groups.append(Group(conv, sources, tuple(tuple(g) for g in target_groups), shapes))
-        wanted.difference_update(k for g in target_groups for k in g)
+        plan.groups.append(group)
+        wanted.difference_update(group.flat_targets)
     return plan
+
+
+#: The keys one converter renames to one name: (source pattern, ``*`` index, checkpoint key) each.
+_Items = list[tuple[int, int | None, str]]
+
+
+@dataclass(frozen=True)
+class _Renames:
+    """How transformers renames each checkpoint key of an entry: renamings in turn, at most one
+    converter, then the base model prefix added or stripped where that names a model key."""
+
+    renamings: Sequence[WeightConverter]
+    converters: Sequence[WeightConverter]
+    model_keys: set[str]
+    base_model_prefix: str | None
+
+    def collect(
+        self,
+        plan: Plan,
+        keys: Sequence[str],
+        source_shapes: Mapping[str, torch.Size],
+        wanted: set[str],
+        unfilled: Collection[str],
+    ) -> dict[tuple[int, str], tuple[_Found, _Items]]:
+        """Rename every key (as in transformers, also one that names a model key itself). A key
+        only renamings change becomes a one-to-one group of ``plan`` at once; the keys a converter
+        renames are returned per (converter position, renamed key), with the first match."""
+        base = self.base_model_prefix
+        collected: dict[tuple[int, str], tuple[_Found, _Items]] = {}
+        for key in keys:
+            renamed, conv, found, fired = rename_key(key, self.renamings, self.converters)
+            adjusted = _base_adjust(renamed, base, self.model_keys)
+            saved = _saved_name(key, renamed, adjusted, base)
+            if saved != key:
+                plan.read_from[saved] = key
+            if conv is None:
+                moved = bool(fired) and adjusted != key
+                if adjusted in wanted and (moved or adjusted in unfilled):
+                    label = fired[0] if fired else AS_IS
+                    shapes = [[torch.Size(source_shapes[key])]]
+                    plan.groups.append(Group(label, ((saved,),), ((adjusted,),), shapes))
+                    wanted.discard(adjusted)
+                continue
+            assert found is not None  # rename_key returns the match with its converter
+            shifted = _shift(found, renamed, adjusted, base)
+            if shifted is not None:
+                slot = (self.converters.index(conv), adjusted)
+                collected.setdefault(slot, (shifted, []))[1].append((shifted[1], shifted[2], saved))
+        return collected
+
+
+def _converter_group(
+    conv: WeightConverter,
+    found: _Found,
+    items: _Items,
+    targets: Sequence[str],
+    wanted: set[str],
+    shape_of: Callable[[str], torch.Size],
+    strict_sources: bool,
+) -> Group | None:
+    """The group of ``conv`` over ``items`` (``shape_of`` a source key gives its shape), or ``None``
+    when its targets are not this converter's layout, are already planned, or (without
+    ``strict_sources``) a source pattern found no key."""
+    target_groups = _targets_of(conv, found, targets)
+    if not all(target_groups) or not all(k in wanted for g in target_groups for k in g):
+        return None  # not this converter's layout, or already loaded
+    per_pattern: list[list[tuple[int, str]]] = [[] for _ in conv._sources]
+    for i, index, key in items:
+        per_pattern[i].append((-1 if index is None else index, key))
+    if any(not p for p in per_pattern):
+        if strict_sources:
+            absent = [conv.source_patterns[i] for i, p in enumerate(per_pattern) if not p]
+            raise MissingSourceKeyError(
+                f"Converter {conv!r} needs a checkpoint key for source pattern `{absent[0]}` to build "
+                f"`{target_groups[0][0]}`, but the checkpoint holds none. Check the converter's source "
+                "patterns against the checkpoint's keys."
+            )
+        return None
+    sources = tuple(tuple(k for _, k in sorted(p, key=lambda x: x[0])) for p in per_pattern)
+    shapes = [[shape_of(k) for k in ks] for ks in sources]
+    return Group(conv, sources, tuple(tuple(g) for g in target_groups), shapes)

@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,7 +29,7 @@ from modelgraft.conversion.ops import model_config
 from modelgraft.conversion.originals import cached_original_shapes
 from modelgraft.conversion.scopes import STATE_ATTR, ConversionState, Scope, resolve_scopes, scope_for
 from modelgraft.errors import ConversionError
-from modelgraft.report import ConversionRecord, report_for
+from modelgraft.report import ConversionRecord, GraftReport, report_for
 
 __all__ = ["apply_load_conversions", "device_for_map"]
 
@@ -135,80 +136,148 @@ def _apply_load_conversions(
         return state
     params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     params.update(dict(model.named_buffers(remove_duplicate=False)))
-    source: TensorSource
-    if state_dict is not None:
-        source = StateDictSource(state_dict)
-    else:
-        source = FileSource(checkpoint_files or ())
     rep = report_for(model)
-    if isinstance(source, FileSource) and not list(source.keys()):
+    source = _open_source(checkpoint_files, state_dict, rep)
+    keys = _KeyMap.of(model, params, source, rename)
+    plans = [p for scope in scopes if (p := _plan_scope(model, scope, scopes, params, missing_keys, keys))]
+    # Every group is checked before any runs: a bad checkpoint changes nothing in the model.
+    _check_all(model, [(p.scope, p.plan, p.groups) for p in plans], params, source, keys.name)
+    for planned in plans:
+        for group in planned.groups:
+            _run_group(model, group, params, keys.locate, device_for, offload, place, keys.name)
+            _record_group(state, rep, group, keys, planned.in_checkpoint_space, missing_keys, unexpected_keys)
+        _report_unsourced(rep, planned.scope, planned.plan)
+    return state
+
+
+def _open_source(
+    checkpoint_files: Sequence[str] | None, state_dict: Mapping[str, torch.Tensor] | None, rep: GraftReport
+) -> TensorSource:
+    """The load's tensors: ``state_dict`` when given, else the checkpoint files (a file that is not
+    safetensors holds no key modelgraft can read, which the report says)."""
+    if state_dict is not None:
+        return StateDictSource(state_dict)
+    source = FileSource(checkpoint_files or ())
+    if not list(source.keys()):
         rep.problems.append(
             f"modelgraft converts weights from safetensors files only; `{source.files[0]}` is not one, so "
             "no conversion ran. Re-save the checkpoint with `save_pretrained` (safetensors is the default)."
         )
-    ckpt_keys = list(source.keys())
-    renamed = {k: rename(k) for k in ckpt_keys} if rename is not None else {k: k for k in ckpt_keys}
-    to_model = {}
-    by_renamed = translate_checkpoint_keys(model, set(params), renamed.values())
-    for ckpt_key, new_key in renamed.items():
-        to_model[ckpt_key] = by_renamed[new_key]
-    to_ckpt = {m: c for c, m in to_model.items()}
+    return source
 
-    def locate(model_key: str) -> tuple[TensorSource, str]:
-        return source, to_ckpt[model_key]
 
-    def name(model_key: str) -> str:
-        return to_ckpt.get(model_key, model_key)
+@dataclass
+class _KeyMap:
+    """The two names of every checkpoint tensor: its checkpoint key and the model key it loads as.
 
-    plans: list[tuple[Scope, Plan, list[Group]]] = []
-    in_checkpoint_space: set[str] = set()  # paths of scopes planned on checkpoint keys
-    for scope in scopes:
-        # With transformers' renaming semantics a renamed checkpoint key never loads as itself, so
-        # every key of the scope may be a target (a group then overwrites what loaded by name).
-        pool = params if any(c._hf for c in scope.converters) else missing_keys
-        owned_missing = sorted(scope.local(k) for k in pool if scope_for(scopes, k) is scope)
-        if not owned_missing:
-            continue
-        if any(c._hf for c in scope.converters) and not scope.path:
-            # transformers renames checkpoint keys before it adds or strips the base model prefix.
-            src_shapes = {new: source.shape(c) for c, new in renamed.items()}
-            to_ckpt.update((new, c) for c, new in renamed.items() if new not in to_ckpt)
-            base = getattr(model, "base_model_prefix", "") or None
-            plan = plan_groups(
-                scope.converters, owned_missing, src_shapes, base_model_prefix=base, unfilled=missing_keys
-            )
-            in_checkpoint_space.add(scope.path)
-            to_ckpt.update((saved, to_ckpt[key]) for saved, key in plan.read_from.items())
-        else:
-            src_shapes = {scope.local(m): source.shape(c) for c, m in to_model.items() if scope.owns(m)}
-            plan = plan_groups(scope.converters, owned_missing, src_shapes)
-        plans.append((scope, plan, [_globalise(g, scope) for g in plan.groups]))
-    # Every group is checked before any runs: a bad checkpoint changes nothing in the model.
-    _check_all(model, plans, params, source, name)
-    for scope, plan, groups in plans:
-        for group in groups:
-            _run_group(model, group, params, locate, device_for, offload, place, name)
-            state.groups.append(group)
-            state.checkpoint_keys.update((k, name(k)) for k in group.flat_sources)
-            if scope.path in in_checkpoint_space:
-                state.checkpoint_space.update(group.flat_sources)
-            missing_keys.difference_update(group.flat_targets)
-            for k in group.flat_sources:
-                unexpected_keys.discard(k)
-                unexpected_keys.discard(to_ckpt.get(k, k))
-                unexpected_keys.discard(to_model.get(to_ckpt.get(k, k), k))  # a raw key planned as is
-            rep.conversions.append(
-                ConversionRecord(repr(group.converter), tuple(group.flat_sources), tuple(group.flat_targets))
-            )
-        for conv, key in plan.unsourced_targets:
-            target = scope.glob(key)
-            if target not in rep.unloaded_parameters:
-                rep.unloaded_parameters.append(target)
-            rep.problems.append(
-                f"`{target}` was produced by no converter: {conv!r} found none of its source keys in the "
-                "checkpoint, so the parameter keeps its random init. Check the converter's source patterns."
-            )
-    return state
+    ``to_ckpt`` grows while scopes are planned (a scope planned on renamed checkpoint keys adds its
+    own), so :meth:`name` and :meth:`locate` read it when a group runs, not when it is built.
+    """
+
+    source: TensorSource
+    renamed: dict[str, str]  # checkpoint key -> the key after the loader's own renamings
+    to_model: dict[str, str]  # checkpoint key -> model key
+    to_ckpt: dict[str, str] = field(default_factory=dict)  # model key -> checkpoint key
+
+    @classmethod
+    def of(
+        cls,
+        model: torch.nn.Module,
+        params: Mapping[str, torch.Tensor],
+        source: TensorSource,
+        rename: Callable[[str], str] | None,
+    ) -> _KeyMap:
+        ckpt_keys = list(source.keys())
+        renamed = {k: rename(k) for k in ckpt_keys} if rename is not None else {k: k for k in ckpt_keys}
+        by_renamed = translate_checkpoint_keys(model, set(params), renamed.values())
+        to_model = {ckpt_key: by_renamed[new_key] for ckpt_key, new_key in renamed.items()}
+        return cls(source, renamed, to_model, {m: c for c, m in to_model.items()})
+
+    def locate(self, model_key: str) -> tuple[TensorSource, str]:
+        return self.source, self.to_ckpt[model_key]
+
+    def name(self, model_key: str) -> str:
+        return self.to_ckpt.get(model_key, model_key)
+
+
+@dataclass(frozen=True)
+class _ScopePlan:
+    """The groups planned for one scope, and whether they were planned on checkpoint keys."""
+
+    scope: Scope
+    plan: Plan
+    groups: list[Group]  # the plan's groups with model-wide keys
+    in_checkpoint_space: bool
+
+
+def _plan_scope(
+    model: torch.nn.Module,
+    scope: Scope,
+    scopes: Sequence[Scope],
+    params: Mapping[str, torch.Tensor],
+    missing_keys: set[str],
+    keys: _KeyMap,
+) -> _ScopePlan | None:
+    """Plan the groups of ``scope`` over the keys it owns; ``None`` when it owns nothing to fill."""
+    hf = any(c._hf for c in scope.converters)
+    # With transformers' renaming semantics a renamed checkpoint key never loads as itself, so
+    # every key of the scope may be a target (a group then overwrites what loaded by name).
+    pool = params if hf else missing_keys
+    owned_missing = sorted(scope.local(k) for k in pool if scope_for(scopes, k) is scope)
+    if not owned_missing:
+        return None
+    source = keys.source
+    if hf and not scope.path:
+        # transformers renames checkpoint keys before it adds or strips the base model prefix.
+        src_shapes = {new: source.shape(c) for c, new in keys.renamed.items()}
+        keys.to_ckpt.update((new, c) for c, new in keys.renamed.items() if new not in keys.to_ckpt)
+        base = getattr(model, "base_model_prefix", "") or None
+        plan = plan_groups(
+            scope.converters, owned_missing, src_shapes, base_model_prefix=base, unfilled=missing_keys
+        )
+        keys.to_ckpt.update((saved, keys.to_ckpt[key]) for saved, key in plan.read_from.items())
+        return _ScopePlan(scope, plan, [_globalise(g, scope) for g in plan.groups], True)
+    src_shapes = {scope.local(m): source.shape(c) for c, m in keys.to_model.items() if scope.owns(m)}
+    plan = plan_groups(scope.converters, owned_missing, src_shapes)
+    return _ScopePlan(scope, plan, [_globalise(g, scope) for g in plan.groups], False)
+
+
+def _record_group(
+    state: ConversionState,
+    rep: GraftReport,
+    group: Group,
+    keys: _KeyMap,
+    in_checkpoint_space: bool,
+    missing_keys: set[str],
+    unexpected_keys: set[str],
+) -> None:
+    """After ``group`` ran: remember it on the model's state, take its targets off the missing keys
+    and its sources off the unexpected ones, and add it to the report."""
+    state.groups.append(group)
+    state.checkpoint_keys.update((k, keys.name(k)) for k in group.flat_sources)
+    if in_checkpoint_space:
+        state.checkpoint_space.update(group.flat_sources)
+    missing_keys.difference_update(group.flat_targets)
+    for k in group.flat_sources:
+        ckpt_key = keys.to_ckpt.get(k, k)
+        unexpected_keys.discard(k)
+        unexpected_keys.discard(ckpt_key)
+        unexpected_keys.discard(keys.to_model.get(ckpt_key, k))  # a raw key planned as is
+    rep.conversions.append(
+        ConversionRecord(repr(group.converter), tuple(group.flat_sources), tuple(group.flat_targets))
+    )
+
+
+def _report_unsourced(rep: GraftReport, scope: Scope, plan: Plan) -> None:
+    """Report each target that a converter of ``plan`` found no source key for: it stays unloaded."""
+    for conv, key in plan.unsourced_targets:
+        target = scope.glob(key)
+        if target not in rep.unloaded_parameters:
+            rep.unloaded_parameters.append(target)
+        rep.problems.append(
+            f"`{target}` was produced by no converter: {conv!r} found none of its source keys in the "
+            "checkpoint, so the parameter keeps its random init. Check the converter's source patterns."
+        )
 
 
 def _check_all(
@@ -305,6 +374,24 @@ def _rearranged_targets(
     layout allows (as lazy as a plain load, see ``_filemap``), else read range by range into it, so
     every byte is copied once. ``None`` when the group does not qualify (other operations, a dtype
     cast, a non-CPU target, shapes that do not fit; the generic path then runs and reports errors)."""
+    found = _source_layouts(group, locate)
+    if found is None:
+        return None
+    sources, dtype = found
+    converted = convert_layouts(group.converter.operations, sources)
+    if converted is None or not _layouts_fit(group, converted, params, devices, dtype):
+        return None
+    return [
+        [_build(layout, dtype, key) for key, layout in zip(keys, layouts)]
+        for keys, layouts in zip(group.targets, converted)
+    ]
+
+
+def _source_layouts(
+    group: Group, locate: Callable[[str], tuple[TensorSource, str]]
+) -> tuple[list[list[ByteLayout]], torch.dtype] | None:
+    """The byte layout of every source of ``group`` and their one dtype; ``None`` when a source has
+    no layout (not in a file) or the sources mix dtypes, or there are none."""
     sources: list[list[ByteLayout]] = []
     dtype = None
     for keys in group.sources:
@@ -318,14 +405,23 @@ def _rearranged_targets(
                 return None
             layouts.append(layout)
         sources.append(layouts)
-    if dtype is None:  # no sources at all: nothing to map
-        return None
-    converted = convert_layouts(group.converter.operations, sources)
-    if converted is None or len(converted) != len(group.targets):
-        return None
+    return None if dtype is None else (sources, dtype)
+
+
+def _layouts_fit(
+    group: Group,
+    converted: Sequence[Sequence[ByteLayout]],
+    params: Mapping[str, torch.Tensor],
+    devices: Mapping[str, torch.device | str | int],
+    dtype: torch.dtype,
+) -> bool:
+    """Whether the converted layouts are the targets as they are: one per target key, each of the
+    parameter's dtype and shape, not a scalar, bound for the CPU."""
+    if len(converted) != len(group.targets):
+        return False
     for keys, layouts in zip(group.targets, converted):
         if len(keys) != len(layouts):
-            return None
+            return False
         for key, layout in zip(keys, layouts):
             ref = params[key]
             if (
@@ -334,15 +430,14 @@ def _rearranged_targets(
                 or ref.dim() == 0
                 or str(devices[key]) != "cpu"
             ):
-                return None
-    out: list[list[torch.Tensor]] = []
-    for keys, layouts in zip(group.targets, converted):
-        built = []
-        for key, layout in zip(keys, layouts):
-            tensor = map_ranges(layout.ranges, dtype, layout.shape)
-            if tensor is None:
-                tensor = torch.empty(layout.shape, dtype=dtype)
-                read_ranges_into(layout.ranges, tensor, key)
-            built.append(tensor)
-        out.append(built)
-    return out
+                return False
+    return True
+
+
+def _build(layout: ByteLayout, dtype: torch.dtype, key: str) -> torch.Tensor:
+    """A target from its byte layout: mapped from the file where it can be, else read into place."""
+    tensor = map_ranges(layout.ranges, dtype, layout.shape)
+    if tensor is None:
+        tensor = torch.empty(layout.shape, dtype=dtype)
+        read_ranges_into(layout.ranges, tensor, key)
+    return tensor

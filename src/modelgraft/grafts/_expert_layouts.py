@@ -174,7 +174,7 @@ def stacked_checkpoint_converters(
     ``<place>.<child>.<name>`` becomes ``<place>.<child>.*.<name>.weight``, exactly reversibly.
     """
     from modelgraft.conversion import WeightConverter
-    from modelgraft.grafts._bundle import meta_model, original_class
+    from modelgraft.grafts._common import meta_model, original_class
 
     places: dict[str, tuple[StackedLayout, int]] = {}
     for path, module in meta_model(model_type).named_modules():
@@ -335,7 +335,7 @@ def _roles(layout: ExpertLayout, names: tuple[str, str, str]) -> list[tuple[str,
 def _checkpoint_name(model_side: str, renamings: list[tuple[str, str]]) -> str:
     """The checkpoint key pattern transformers renames to ``model_side`` (GraniteMoE's
     ``block_sparse_moe.input_linear.weight`` for ``block_sparse_moe.experts.gate_up_proj``)."""
-    from modelgraft.grafts._bundle import _contains
+    from modelgraft.grafts._common import _contains
 
     name = model_side
     for old, new in renamings:
@@ -356,7 +356,7 @@ def fused_checkpoint_converters(
     its renamings) and splitting it with exactly reversible operations.
     """
     from modelgraft.conversion import WeightConverter
-    from modelgraft.grafts._bundle import _builtin_conversions, meta_model, original_class
+    from modelgraft.grafts._common import _builtin_conversions, meta_model, original_class
 
     renamings = [
         (c.source_patterns[0], c.target_patterns[0])

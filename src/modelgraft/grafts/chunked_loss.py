@@ -55,12 +55,12 @@ from modelgraft import _compat
 from modelgraft._families import CHUNKED_LM_LOSS, covered_by, tiny_config
 from modelgraft._forksafe import ForkSafeLock
 from modelgraft.errors import UnsupportedFamilyError
-from modelgraft.grafts._bundle import Graft, _Part, original_class
 from modelgraft.grafts._chunked_ce import DoubleBackwardError, LossInputError, linear_cross_entropy
+from modelgraft.grafts._common import Graft, _Part, original_class
 from modelgraft.grafts._lm_head_source import HeadSpec, read_head
 from modelgraft.grafts._pickling import RECIPE_ATTR, GraftedClass
 from modelgraft.hooks import unpatched
-from modelgraft.live import graft_model
+from modelgraft.inplace import graft_model
 from modelgraft.report import _defined_at, _forward_bypass
 
 __all__ = [

@@ -19,7 +19,7 @@ from __future__ import annotations
 from torch import nn
 
 from modelgraft._families import FUSED_GATE_UP, covered_by
-from modelgraft.grafts._bundle import Graft, _Part, fused_linears_part
+from modelgraft.grafts._common import Graft, _Part, fused_linears_part
 from modelgraft.grafts._fused import fused_subclass
 
 __all__ = ["FUSED_GATE_UP_FAMILIES", "GATE_UP_NAMES", "fused_gate_up", "fused_gate_up_class"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 from torch import nn
 
 from modelgraft._families import FUSED_QKV, covered_by
-from modelgraft.grafts._bundle import Graft, _Part, fused_linears_part
+from modelgraft.grafts._common import Graft, _Part, fused_linears_part
 from modelgraft.grafts._fused import fused_subclass
 
 __all__ = ["FUSED_QKV_FAMILIES", "QKV_NAMES", "fused_qkv", "fused_qkv_class"]

@@ -19,7 +19,7 @@ changes until :func:`move_hooks` runs at swap time, which cannot fail.
 
 Example:
     >>> import torch
-    >>> from modelgraft._live_carry import raw_state
+    >>> from modelgraft._inplace_state import raw_state
     >>> sorted(raw_state(torch.nn.Linear(2, 2)))
     ['bias', 'weight']
 """
@@ -246,39 +246,54 @@ def place_tensors(
             new: torch.Tensor = old[key]
             unchanged.add(key)
         else:
-            for rel, tensor in src.items():
-                _check_movable(path, key, rel, tensor)
-            dtype, device = same_dtype_and_device(path, key, src)
-            params = {k: t for k, t in src.items() if isinstance(t, nn.Parameter)}
-            trainable = (
-                agreed(
-                    path,
-                    key,
-                    "requires_grad",
-                    {k: t.requires_grad for k, t in params.items()},
-                    "Freeze or unfreeze them together before grafting.",
-                )
-                if params
-                else None
-            )
-            data = value.detach().to(device=device, dtype=dtype)
-            if data.device.type != "meta":
-                if value._base is not None or data.untyped_storage().data_ptr() in taken:
-                    data = data.clone()
-                data = data.contiguous()
-                taken.add(data.untyped_storage().data_ptr())
-            if is_param:
-                new = nn.Parameter(
-                    data,
-                    requires_grad=owner._parameters[leaf].requires_grad if trainable is None else trainable,
-                )
-            else:
-                new = data
-            for name, attr in _attributes(path, key, src).items():
-                setattr(new, name, attr)
+            new = _carried(path, key, value, src, (owner, leaf) if is_param else None, taken)
         (owner._parameters if is_param else owner._buffers)[leaf] = new
     _carry_non_persistent(original, built)
     return unchanged
+
+
+def _carried(
+    path: str,
+    key: str,
+    value: torch.Tensor,
+    src: Mapping[str, torch.Tensor],
+    param_of: tuple[Any, str] | None,  # (owner module, parameter name)
+    taken: set[int],
+) -> torch.Tensor:
+    """``value`` as the replacement's ``key``, with the state its originals ``src`` agree on: dtype,
+    device, ``requires_grad`` and attributes; copied where it would share a storage in ``taken``
+    (which it then joins). A parameter where ``param_of`` (owner, name) names the built one (it
+    gives ``requires_grad`` when no original is a parameter), else a buffer."""
+    for rel, tensor in src.items():
+        _check_movable(path, key, rel, tensor)
+    dtype, device = same_dtype_and_device(path, key, src)
+    params = {k: t for k, t in src.items() if isinstance(t, nn.Parameter)}
+    trainable = (
+        agreed(
+            path,
+            key,
+            "requires_grad",
+            {k: t.requires_grad for k, t in params.items()},
+            "Freeze or unfreeze them together before grafting.",
+        )
+        if params
+        else None
+    )
+    data = value.detach().to(device=device, dtype=dtype)
+    if data.device.type != "meta":
+        if value._base is not None or data.untyped_storage().data_ptr() in taken:
+            data = data.clone()
+        data = data.contiguous()
+        taken.add(data.untyped_storage().data_ptr())
+    new = data
+    if param_of is not None:
+        owner, leaf = param_of
+        new = nn.Parameter(
+            data, requires_grad=owner._parameters[leaf].requires_grad if trainable is None else trainable
+        )
+    for name, attr in _attributes(path, key, src).items():
+        setattr(new, name, attr)
+    return new
 
 
 def _carry_non_persistent(original: nn.Module, built: nn.Module) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,6 +193,10 @@ def fused_linears_part(
 _PLAIN_PATTERN = re.compile(r"^[A-Za-z0-9_*]+(\.[A-Za-z0-9_*]+)*$")
 
 
+#: A checkpoint-side rename of transformers' table, as (source patterns, target patterns).
+_Renaming = tuple[list[str], list[str]]
+
+
 @functools.cache
 def _builtin_conversions(model_type: str) -> tuple[Any, ...]:
     """transformers' own conversions for ``model_type``, rewritten as modelgraft converters.
@@ -204,67 +208,95 @@ def _builtin_conversions(model_type: str) -> tuple[Any, ...]:
     (Mixtral's ``block_sparse_moe`` -> ``mlp`` before ``experts.*.w1.weight``) is folded into that
     converter, and converters come before renamings so that each parameter is claimed once.
     """
-    entries = _compat.builtin_checkpoint_conversions(model_type)
-    renamings: list[tuple[list[str], list[str]]] = []
+    renamings: list[_Renaming] = []
     from_regex: list[tuple[str, list[str]]] = []
     converters: list[tuple[list[str], list[str], list[Any]]] = []
-    for entry in entries:
+    for entry in _compat.builtin_checkpoint_conversions(model_type):
         sources = [_plain(p, model_type) for p in entry.source_patterns]
         targets = [_plain(p, model_type) for p in entry.target_patterns]
         if type(entry).__name__ in ("WeightRenaming", "PrefixChange"):
             renamings.append((sources, targets))
-            open_ended = [
-                p
-                for p in entry.source_patterns
-                if not _PLAIN_PATTERN.match(p.strip("."))
-                and not p.endswith("\\.")
-                and not _PREFIX_CAPTURE.match(p)
-            ]
+            open_ended = [p for p in entry.source_patterns if _is_open_ended(p)]
             if open_ended:
                 from_regex.append((open_ended[0], targets))
             continue
-        ops: list[MergeModulelist | Concatenate] = []
-        for op in entry.operations:
-            name = type(op).__name__
-            if name == "MergeModulelist":
-                ops.append(MergeModulelist(dim=op.dim))
-            elif name == "Concatenate" and getattr(op, "num_shards_attribute", None) is None:
-                ops.append(Concatenate(dim=op.dim))
-            else:
-                raise UnsupportedFamilyError(
-                    f"transformers converts `{model_type}` checkpoints with `{name}`, which grafts cannot "
-                    "carry over; expected only renamings, `MergeModulelist` and `Concatenate`."
-                )
-        converters.append((sources, targets, ops))
+        converters.append((sources, targets, _carried_operations(entry, model_type)))
     keys = [name for name, _ in meta_model(model_type).named_parameters()] if renamings else []
-    # A regular expression that does not end on a `\\.` can match inside a key segment
-    # (`\\.hc_pre\\.hc_` renames `hc_pre.hc_fn` to `hc_fn`); as a dotted pattern it would not.
-    # Carried over only where its target names whole segments of the model's keys.
     for pattern, targets in from_regex:
-        model = meta_model(model_type)
-        names = [*keys, *(name for name, _ in model.named_buffers())]
-        if not any(_contains(key, t) for key in names for t in targets):
-            raise UnsupportedFamilyError(
-                f"transformers' conversion for `{model_type}` renames with the regular expression `{pattern}`, "
-                f"whose target `{targets[0]}` is not a run of whole key segments of the model; grafts only carry "
-                "over renamings of whole segments."
-            )
-    out: list[Any] = []
-    for sources, targets, ops in converters:
-        for (old,), (new,) in (r for r in renamings if len(r[0]) == 1 and len(r[1]) == 1):
-            if any(_contains(key, f"{new}.{t}") for key in keys for t in targets):
-                sources, targets = [f"{old}.{p}" for p in sources], [f"{new}.{p}" for p in targets]
-        out.append(WeightConverter(sources, targets, ops))
-    # transformers applies every renaming to a key; modelgraft renames a key once. Two renamings
-    # that meet in one key (Phi-MoE: `block_sparse_moe.gate.weight` -> `mlp.router.weight`) are
-    # composed into one that comes first.
-    simple = [(s[0], t[0]) for s, t in renamings if len(s) == 1 and len(t) == 1]
-    for old_a, new_a in simple:
-        for old_b, new_b in simple:
-            if (old_a, new_a) != (old_b, new_b) and any(_contains(k, f"{new_a}.{new_b}") for k in keys):
-                out.append(WeightRenaming(f"{old_a}.{old_b}", f"{new_a}.{new_b}"))
+        _check_whole_segments(model_type, pattern, targets, keys)
+    out: list[Any] = [_folded(sources, targets, ops, renamings, keys) for sources, targets, ops in converters]
+    out.extend(_composed(renamings, keys))
     out.extend(WeightRenaming(sources, targets) for sources, targets in renamings)
     return tuple(out)
+
+
+def _is_open_ended(pattern: str) -> bool:
+    """Whether a renaming's source is a regular expression that can match inside a key segment."""
+    return (
+        not _PLAIN_PATTERN.match(pattern.strip("."))
+        and not pattern.endswith("\\.")
+        and not _PREFIX_CAPTURE.match(pattern)
+    )
+
+
+def _carried_operations(entry: Any, model_type: str) -> list[MergeModulelist | Concatenate]:
+    """The operations of one of transformers' converters as modelgraft's, or a clear error for one
+    that grafts cannot carry over."""
+    ops: list[MergeModulelist | Concatenate] = []
+    for op in entry.operations:
+        name = type(op).__name__
+        if name == "MergeModulelist":
+            ops.append(MergeModulelist(dim=op.dim))
+        elif name == "Concatenate" and getattr(op, "num_shards_attribute", None) is None:
+            ops.append(Concatenate(dim=op.dim))
+        else:
+            raise UnsupportedFamilyError(
+                f"transformers converts `{model_type}` checkpoints with `{name}`, which grafts cannot "
+                "carry over; expected only renamings, `MergeModulelist` and `Concatenate`."
+            )
+    return ops
+
+
+def _check_whole_segments(model_type: str, pattern: str, targets: Sequence[str], keys: Sequence[str]) -> None:
+    """A regular expression that does not end on a ``\\.`` can match inside a key segment
+    (``\\.hc_pre\\.hc_`` renames ``hc_pre.hc_fn`` to ``hc_fn``); as a dotted pattern it would not.
+    It is carried over only where its target names whole segments of the model's keys."""
+    model = meta_model(model_type)
+    names = [*keys, *(name for name, _ in model.named_buffers())]
+    if not any(_contains(key, t) for key in names for t in targets):
+        raise UnsupportedFamilyError(
+            f"transformers' conversion for `{model_type}` renames with the regular expression `{pattern}`, "
+            f"whose target `{targets[0]}` is not a run of whole key segments of the model; grafts only carry "
+            "over renamings of whole segments."
+        )
+
+
+def _folded(
+    sources: list[str],
+    targets: list[str],
+    ops: list[Any],
+    renamings: Sequence[_Renaming],
+    keys: Sequence[str],
+) -> WeightConverter:
+    """A converter with each one-to-one renaming that sits right before its targets in the model's
+    keys folded into its patterns (it then reads the checkpoint keys as they are)."""
+    for (old,), (new,) in (r for r in renamings if len(r[0]) == 1 and len(r[1]) == 1):
+        if any(_contains(key, f"{new}.{t}") for key in keys for t in targets):
+            sources, targets = [f"{old}.{p}" for p in sources], [f"{new}.{p}" for p in targets]
+    return WeightConverter(sources, targets, ops)
+
+
+def _composed(renamings: Sequence[_Renaming], keys: Sequence[str]) -> list[WeightRenaming]:
+    """transformers applies every renaming to a key; modelgraft renames a key once. Two renamings
+    that meet in one key (Phi-MoE: ``block_sparse_moe.gate.weight`` -> ``mlp.router.weight``) are
+    composed into one that comes first."""
+    simple = [(s[0], t[0]) for s, t in renamings if len(s) == 1 and len(t) == 1]
+    return [
+        WeightRenaming(f"{old_a}.{old_b}", f"{new_a}.{new_b}")
+        for old_a, new_a in simple
+        for old_b, new_b in simple
+        if (old_a, new_a) != (old_b, new_b) and any(_contains(k, f"{new_a}.{new_b}") for k in keys)
+    ]
 
 
 def _contains(key: str, run: str) -> bool:

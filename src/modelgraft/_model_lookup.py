@@ -5,7 +5,7 @@ A target is a ``model_type`` known to the installed transformers (``"llama"``), 
 Shared by :mod:`modelgraft.verify` and :mod:`modelgraft.cli`.
 
 Example:
-    >>> from modelgraft._target import resolve_config, model_class_for
+    >>> from modelgraft._model_lookup import resolve_config, model_class_for
     >>> config, checkpoint = resolve_config("llama")
     >>> checkpoint is None, model_class_for(config).__name__
     (True, 'LlamaForCausalLM')

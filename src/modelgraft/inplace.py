@@ -16,7 +16,7 @@ to a model that already exists, in place, and carries its loaded weights across:
    first when the live layout differs from the checkpoint's). A parameter nothing fills, or an
    original weight nothing takes, is an error. Per parameter ``requires_grad``, dtype and device,
    per submodule train/eval mode, and hooks are carried over, or refused where they cannot be
-   exactly (see :mod:`modelgraft._live_carry`).
+   exactly (see :mod:`modelgraft._inplace_state`).
 3. *Then swap.* Only when every replacement is ready are they put into their parents, so a
    failure leaves the model exactly as it was. The model then remembers the conversion groups
    that ran and the conversion entries in effect, so that ``save_pretrained`` writes the original
@@ -51,7 +51,8 @@ from typing import Any
 import torch
 
 from modelgraft import _compat, recorders, registry, swap
-from modelgraft._live_carry import (
+from modelgraft._inplace_optim import Moved, plan_optimizer, retire
+from modelgraft._inplace_state import (
     HookMove,
     copy_modes,
     move_hooks,
@@ -61,7 +62,6 @@ from modelgraft._live_carry import (
     refuse_wrapped,
     same_dtype_and_device,
 )
-from modelgraft._live_optim import Moved, plan_optimizer, retire
 from modelgraft.conversion._plan import Group, plan_groups, run_convert
 from modelgraft.conversion.save import remember_graft
 from modelgraft.conversion.scopes import Scope, resolve_scopes, scope_for
@@ -161,6 +161,19 @@ def graft_model(
             model.__class__ = root.replacement_cls
         if targets:
             remember_graft(model, [g for t in targets for g in t.groups], scopes)
+    _report(model, graft, root, targets)
+    if targets:
+        recorders.patch_output_recorders(
+            model, replacements={type(t.original): t.replacement_cls for t in targets}
+        )
+    return model
+
+
+def _report(
+    model: torch.nn.Module, graft: Graft | None, root: _Root | None, targets: Sequence[_Target]
+) -> None:
+    """Add what the graft replaced and converted to the model's report, and the graft's keys that
+    matched nothing."""
     rep = report_for(model)
     used = {t.key for t in targets}
     if root is not None:
@@ -177,11 +190,6 @@ def graft_model(
     rep.conversions.extend(r for t in targets for r in t.records)
     if graft is not None:
         rep.unmatched_keys.extend(k for k in graft.mapping if k not in used and k not in rep.unmatched_keys)
-    if targets:
-        recorders.patch_output_recorders(
-            model, replacements={type(t.original): t.replacement_cls for t in targets}
-        )
-    return model
 
 
 @contextlib.contextmanager
