@@ -33,25 +33,25 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from modelgraft._families import ROUTING_SIZES
 from modelgraft.moe import moe_layers, record_routing
 
 
 def qwen3_moe(num_hidden_layers: int = 3, dense: tuple[int, ...] = (0,), seed: int = 0, **overrides: Any):
     """A tiny Qwen3-MoE (8 experts, top-2) whose layers ``dense`` are dense MLPs."""
-    sizes = {
-        "vocab_size": 128,
-        "hidden_size": 32,
-        "intermediate_size": 32,
-        "moe_intermediate_size": 16,
+    profile = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_attention_heads",
+    )
+    profile += ("num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok", "pad_token_id")
+    sizes = {name: ROUTING_SIZES[name] for name in profile}  # the family table's routing profile
+    sizes |= {
         "num_hidden_layers": num_hidden_layers,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
         "mlp_only_layers": list(dense),
         "max_position_embeddings": 128,
-        "pad_token_id": 0,
     }
     sizes.update(overrides)
     config = AutoConfig.for_model("qwen3_moe", **sizes)

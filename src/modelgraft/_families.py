@@ -42,6 +42,9 @@ __all__ = [
     "FUSED_QKV",
     "KINDS",
     "LINEAR_EXPERTS",
+    "ROUTING_FIXES",
+    "ROUTING_NESTED",
+    "ROUTING_SIZES",
     "Family",
     "UnknownModelTypeError",
     "covered_by",
@@ -425,6 +428,141 @@ _MLA: dict[str, Any] = {
     "qk_nope_head_dim": 8,
     "v_head_dim": 16,
     "num_key_value_heads": 4,
+}
+
+# ---- the routing profile (tests/moe_families.py builds every MoE family with it) ----------------
+# 8 experts with top-2 in 4 groups of which 2 are kept exercises group-limited routing, which
+# tiny_config's 4 experts in 1 group would not.
+# Set only where the family's config has the attribute: small sizes, every layer MoE, 8 experts
+# with top-2 in 4 groups of which 2 are kept (exercises group-limited routing).
+ROUTING_SIZES: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 32,
+    "moe_intermediate_size": 16,
+    "expert_intermediate_size": 16,
+    "shared_expert_intermediate_size": 16,
+    "ffn_hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 64,
+    "num_experts": 8,
+    "n_routed_experts": 8,
+    "num_local_experts": 8,
+    "moe_num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "top_k_experts": 2,
+    "num_dense_layers": 0,
+    "moe_k": 2,
+    "top_k": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "first_k_dense_replace": 0,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "qk_head_dim": 16,
+    "v_head_dim": 8,
+    "sliding_window": 16,
+    "pad_token_id": 0,
+    "n_shared_experts": 1,
+    "moe_hidden_size": 16,
+    "linear_head_dim": 16,
+    "index_head_dim": 16,
+    "index_topk": 4,
+    "router_hidden_size": 16,
+    "shared_intermediate_size": 16,
+    "expert_ffn_hidden_size": 16,
+    "zero_expert_num": 2,
+    "hidden_size_per_layer_input": 8,
+    "vocab_size_per_layer_input": 128,
+    "mamba_n_heads": 4,
+    "mamba_d_state": 8,
+    "mamba_chunk_size": 16,
+}
+
+# Family-specific fixes on top of ROUTING_SIZES (sizes the generic table cannot express).
+ROUTING_FIXES: dict[str, dict[str, Any]] = {
+    "zaya": {"num_experts_per_tok": 1},
+    "gemma4_text": {"enable_moe_block": True, "per_layer_config": {}},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # Every layer MoE (its default keeps layer 0 dense), and an M-RoPE split of the 8 rotary
+    # frequencies of a 16-wide head: the default split [22, 22, 20] is for 64 (128-wide heads).
+    "ernie4_5_vl_moe_text": {
+        "moe_intermediate_size": [16, 16],
+        "mlp_layer_types": ["sparse", "sparse"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2]},
+    },
+    # Its config derives no per-layer MLP schedule (`mlp_layer_types` defaults to None, which the
+    # decoder layer indexes); released checkpoints spell it out.
+    "deepseek_ocr2_text": {"mlp_layer_types": ["sparse", "sparse"]},
+    # DBRX sizes its attention and experts in nested configs. `rope_theta` and `clip_qkv` as the
+    # released checkpoints have them: the attention reads `attn_config.rope_theta`, which the
+    # config class does not define, and clamps with `clip_qkv`, which fails when it is None.
+    # `d_model` by its own name: the experts copy it before `hidden_size` is mapped onto it.
+    "dbrx": {
+        "d_model": 32,
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": 16, "moe_num_experts": 8, "moe_top_k": 2},
+    },
+    # Two MoE layers (each of its `num_layers` holds two attention blocks and one MoE), and the
+    # rotary size equal to the rope part of the latent heads, as in released checkpoints.
+    "longcat_flash": {"num_layers": 2, "head_dim": 8},
+    # Its sliding-window layers double the kv heads: with 2 query heads, 1 kv head keeps both kinds valid.
+    "mimo_v2_flash": {"head_dim": 24, "num_key_value_heads": 1},
+    # Sizes the generic table does not name, which leave these families above the tiny cap.
+    "deepseek_v4": {"o_lora_rank": 16},
+    "inkling2_text": {"unpadded_vocab_size": 128},
+    "inkling2_loop_text": {"unpadded_vocab_size": 128},
+    "switch_transformers": {"d_ff": 32},
+    "nllb-moe": {"encoder_ffn_dim": 32, "decoder_ffn_dim": 32},
+    # Its DSA attention layers take no rope part (the config refuses one); one of each attention
+    # kind (linear, indexed), every layer MoE (its default keeps the first three dense).
+    "glm5_next_text": {
+        "index_topk": 16,
+        "qk_rope_head_dim": 0,
+        "qk_nope_head_dim": 16,
+        "layer_types": ["linear_attention", "indexed_attention"],
+        "mlp_layer_types": ["sparse", "sparse"],
+        "linear_num_heads": 2,
+        "index_n_heads": 2,
+    },
+    # Step 3.7's text tower (built through `_NESTED`): every layer MoE (its default keeps the first
+    # three dense) and a small shared expert; its vision tower sized down by hand (one 2x2-patch layer).
+    "step3p5": {"mlp_layer_types": ["sparse", "sparse"], "share_expert_dim": 16},
+    "step3p7": {
+        "vision_config": {
+            "hidden_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "patch_size": 14,
+            "max_position_embeddings": 4,
+        }
+    },
+    "hy_v4_vl_text": {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    },
+    "glm4v_moe_text": {
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 1, 1],
+        }
+    },
+}
+
+# Sub-configs that get the tiny profile of their own model type: the composite's top-level config
+# names none of the sizes, so ROUTING_SIZES alone would leave the text tower at full size.
+ROUTING_NESTED: dict[str, dict[str, str]] = {
+    "step3p7": {"text_config": "step3p5"},
 }
 
 _SPECIAL_TOKEN_SUFFIXES = ("token_id", "token_index", "_token_ids")

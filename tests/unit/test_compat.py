@@ -28,22 +28,20 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaMod
 from _versions import IS_V5, requires_v4
 from modelgraft import UnsupportedTransformersError, _compat
 from modelgraft._compat import _version
+from modelgraft.testing import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _llama_config(**overrides: object) -> LlamaConfig:
-    base = dict(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=32,
-        attn_implementation="eager",
+    """The family table's tiny Llama, narrower still (the recorder tests count its 2 layers)."""
+    sizes: dict[str, object] = dict(hidden_size=16, intermediate_size=32, num_attention_heads=2, head_dim=8)
+    sizes |= dict(num_key_value_heads=1, vocab_size=32, attn_implementation="eager")
+    config = tiny_config("llama", **(sizes | overrides))
+    assert isinstance(config, LlamaConfig) and config.num_hidden_layers == overrides.get(
+        "num_hidden_layers", 2
     )
-    base.update(overrides)
-    return LlamaConfig(**base)
+    return config
 
 
 # --- supported versions -------------------------------------------------------------------------
