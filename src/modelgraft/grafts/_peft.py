@@ -49,7 +49,7 @@ from torch import nn
 
 from modelgraft._compat.peft import PEFT, PeftMaker
 from modelgraft.errors import ExpertsAdapterError  # defined there with every error; this path kept
-from modelgraft.grafts import _peft_experts as _experts
+from modelgraft.grafts import _peft_expert_adapters as _experts
 
 __all__ = ["ExpertsAdapterError", "ensure_installed", "installed", "uninstall"]
 
