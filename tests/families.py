@@ -105,6 +105,16 @@ def auto_class(config: PretrainedConfig) -> type:
     return AutoModelForCausalLM
 
 
+def randomise_routers(model: torch.nn.Module, seed: int = 1) -> None:
+    """Random router weights, so tokens reach many experts (initialisers often zero them)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            leaf = name.split(".")
+            if ("router" in leaf or "gate" in leaf) and param.is_floating_point():
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+
+
 FAMILIES: tuple[Family, ...] = tuple(
     Family(row.model_type, row.kind, SKIPS.get(row.model_type) or missing_model_type(row.model_type))
     for row in _families.FAMILIES

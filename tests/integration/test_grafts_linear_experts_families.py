@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from _versions import FUSED_MOE_EXPERTS, TRANSFORMERS_VERSION, missing_model_type
-from families import BY_TYPE, family
+from families import BY_TYPE, auto_class, family, randomise_routers
 from modelgraft import UnsupportedFamilyError
 from modelgraft.grafts import LINEAR_EXPERTS_FAMILIES, LinearExpert, linear_experts
 from moe_families import moe_model_types
@@ -90,24 +90,6 @@ def _fused_here(model_type: str) -> str | None:
     return None
 
 
-def _auto(config: object) -> type:
-    try:
-        AutoModelForCausalLM._model_mapping[type(config)]
-    except KeyError:
-        return AutoModel
-    return AutoModelForCausalLM
-
-
-def _randomise_routers(model: nn.Module) -> None:
-    """Random router weights, so tokens reach many experts (initialisers often zero them)."""
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            leaf = name.split(".")
-            if ("router" in leaf or "gate" in leaf) and param.is_floating_point():
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-
-
 def _outputs(model: nn.Module, model_type: str) -> torch.Tensor:
     with torch.no_grad():
         out = model(**family(model_type).inputs(model.config))
@@ -122,7 +104,7 @@ def plain_checkpoint(tmp_path_factory: pytest.TempPathFactory):
         if model_type not in made:
             torch.manual_seed(0)
             model = family(model_type).model().eval()
-            _randomise_routers(model)
+            randomise_routers(model)
             path = tmp_path_factory.mktemp(f"experts-{model_type}")
             model.save_pretrained(path)
             made[model_type] = (path, model)
@@ -143,7 +125,7 @@ def test_grafted_experts_give_the_plain_outputs_and_save_the_plain_checkpoint(
         pytest.skip(why)
     path, plain = plain_checkpoint(model_type)
     with linear_experts(model_type).applied(strict=True):
-        grafted = _auto(plain.config).from_pretrained(path).eval()
+        grafted = auto_class(plain.config).from_pretrained(path).eval()
     experts = [m for m in grafted.modules() if isinstance(m, LinearExpert)]
     assert experts, "no per-expert layers in the grafted model"
     assert all(isinstance(getattr(e, n), nn.Linear) for e in experts for n in e._names)
@@ -164,7 +146,7 @@ def test_grafted_experts_give_the_plain_outputs_and_save_the_plain_checkpoint(
     assert sorted(saved) == sorted(original)
     for key, tensor in original.items():
         assert saved[key].dtype == tensor.dtype and torch.equal(saved[key], tensor), key
-    reloaded = _auto(AutoConfig.from_pretrained(tmp_path)).from_pretrained(tmp_path)
+    reloaded = auto_class(AutoConfig.from_pretrained(tmp_path)).from_pretrained(tmp_path)
     for name, tensor in plain.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], tensor), name
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from _versions import TRANSFORMERS_VERSION, missing_model_type
-from families import family
+from families import auto_class, family, randomise_routers
 from modelgraft.grafts import LINEAR_EXPERTS_FAMILIES, ExpertsAdapterError, linear_experts
 
 peft = pytest.importorskip("peft", reason=f"peft is not installed (transformers {TRANSFORMERS_VERSION})")
@@ -37,16 +37,6 @@ ATOL = 1e-5
 REFUSED_AT_SAVE = {
     "dbrx": r"`DbrxExperts` keeps no 3D `gate_up_proj`/`down_proj` for PEFT to adapt",
 }
-
-
-def _auto(config: object) -> type:
-    from transformers import AutoModel, AutoModelForCausalLM
-
-    try:
-        AutoModelForCausalLM._model_mapping[type(config)]
-    except KeyError:
-        return AutoModel
-    return AutoModelForCausalLM
 
 
 def _outputs(model: nn.Module, model_type: str) -> torch.Tensor:
@@ -61,17 +51,13 @@ def _same(got: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
-def _randomise(model: nn.Module, seed: int, *, routers: bool = False) -> None:
-    """Non-zero LoRA weights (``lora_B`` starts at zero, which would hide a dropped adapter), or
-    random routers (initialisers often zero them, which sends every token to the same experts)."""
+def _randomise(model: nn.Module, seed: int) -> None:
+    """Non-zero LoRA weights (``lora_B`` starts at zero, which would hide a dropped adapter)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
-            leaf = name.split(".")
-            if "lora_" in name and not routers:
+            if "lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
-            elif routers and ("router" in leaf or "gate" in leaf) and param.is_floating_point():
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +68,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):
         if model_type not in made:
             torch.manual_seed(0)
             model = family(model_type).model().eval()
-            _randomise(model, 3, routers=True)
+            randomise_routers(model, seed=3)
             path = tmp_path_factory.mktemp(f"experts-lora-{model_type}")
             model.save_pretrained(path)
             made[model_type] = path
@@ -94,7 +80,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):
 def _load(path: Path, model_type: str, grafted: bool) -> nn.Module:
     from transformers import AutoConfig
 
-    auto = _auto(AutoConfig.from_pretrained(path))
+    auto = auto_class(AutoConfig.from_pretrained(path))
     if not grafted:
         return auto.from_pretrained(path).eval()
     with linear_experts(model_type).applied(strict=True):
