@@ -132,10 +132,16 @@ def plan_save(base: nn.Module, adapter: str) -> list[SitePlan]:
     return plans
 
 
+def _dot_prefix(key: str, suffix: str) -> str | None:
+    """What precedes ``suffix`` in ``key`` when it ends there on a dot boundary (``base_model.model.``)."""
+    prefix = key[: -len(suffix)]
+    return prefix if key.endswith(suffix) and (not prefix or prefix.endswith(".")) else None
+
+
 def _find_prefix(state: dict[str, torch.Tensor], suffix: str) -> str:
     for key in state:
-        prefix = key[: -len(suffix)]
-        if key.endswith(suffix) and (not prefix or prefix.endswith(".")):
+        prefix = _dot_prefix(key, suffix)
+        if prefix is not None:
             return prefix
     raise ExpertsAdapterError(f"The saved adapter has no tensor `...{suffix}`, which the model holds.")
 
@@ -146,18 +152,16 @@ def fuse_state(state: dict[str, torch.Tensor], plans: list[SitePlan]) -> dict[st
     for plan in plans:
         site = plan.site
         pairs: list[list[Pair] | None] = []
+        prefix = ""
         for name, role in zip(site.names, plan.roles):
             if role is None:
                 pairs.append(None)
                 continue
             keys = [f"{site.path}.{e}.{name}.lora_{x}.weight" for e in range(site.num) for x in "AB"]
-            prefix = _find_prefix(state, keys[0])
+            prefix = _find_prefix(state, keys[0])  # the same for every role: the fused pairs go under it too
             pairs.append(
                 [(out.pop(prefix + keys[2 * e]), out.pop(prefix + keys[2 * e + 1])) for e in range(site.num)]
             )
-        prefix = _find_prefix(
-            state, f"{site.path}.0.{next(n for n, r in zip(site.names, plan.roles) if r)}.lora_A.weight"
-        )
         targeted = _targeted(plan)
         if "gate_up_proj" in targeted:
             a, b = fuse_gate_up(pairs[0], pairs[1], site.inter, interleaved=site.interleaved)
@@ -402,9 +406,8 @@ def _fused_pairs(state: dict[str, object], site: ExpertSite) -> dict[str, tuple[
     found: dict[str, tuple[str, str, str]] = {}
     for key in list(state):
         for depth in ("", ".base_layer"):
-            suffix = f"{site.path}{depth}.lora_A.weight"
-            prefix = key[: -len(suffix)]
-            if not key.endswith(suffix) or (prefix and not prefix.endswith(".")):
+            prefix = _dot_prefix(key, f"{site.path}{depth}.lora_A.weight")
+            if prefix is None:
                 continue
             a = state[key]
             b_key = f"{prefix}{site.path}{depth}.lora_B.weight"
