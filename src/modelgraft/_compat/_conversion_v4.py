@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from modelgraft._compat.engine import ConversionEngine, LoadRequest
+from modelgraft._compat.engine import ConversionEngine, LoadRequest, wrap_post_init
 from modelgraft._compat.wraps import Makers
 
 __all__ = ["conversion_wrappers"]
@@ -156,19 +156,6 @@ def _wrap_adjust(original: Any) -> Any:
     return _adjust_missing_and_unexpected_keys
 
 
-def _wrap_post_init(engine: ConversionEngine) -> Any:
-    def wrap(original: Any) -> Any:
-        def post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(self, *args, **kwargs)
-            if engine.active():
-                engine.remember(self)
-            return result
-
-        return post_init
-
-    return wrap
-
-
 def _wrap_save_pretrained(engine: ConversionEngine) -> Any:
     def wrap(original: Any) -> Any:
         def save_pretrained(
@@ -199,6 +186,6 @@ def conversion_wrappers(engine: ConversionEngine) -> Makers:
         "_find_missing_and_unexpected_keys": _wrap_find_missing(engine),
         "_load_pretrained_model": _wrap_load_pretrained_model(engine),
         "_adjust_missing_and_unexpected_keys": _wrap_adjust,
-        "post_init": _wrap_post_init(engine),
+        "post_init": wrap_post_init(engine),
         "save_pretrained": _wrap_save_pretrained(engine),
     }

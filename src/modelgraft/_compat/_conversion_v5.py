@@ -34,7 +34,7 @@ import torch
 from transformers import conversion_mapping as _tcm  # type: ignore[attr-defined, unused-ignore]
 from transformers import core_model_loading as _tcore  # type: ignore[attr-defined, unused-ignore]
 
-from modelgraft._compat.engine import ConversionEngine, LoadRequest
+from modelgraft._compat.engine import ConversionEngine, LoadRequest, wrap_post_init
 from modelgraft._compat.wraps import Makers
 
 __all__ = ["conversion_wrappers"]
@@ -159,19 +159,6 @@ def _wrap_load_pretrained_model(engine: ConversionEngine) -> Any:
     return wrap
 
 
-def _wrap_post_init(engine: ConversionEngine) -> Any:
-    def wrap(original: Any) -> Any:
-        def post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(self, *args, **kwargs)
-            if engine.active():
-                engine.remember(self)
-            return result
-
-        return post_init
-
-    return wrap
-
-
 def _wrap_revert(engine: ConversionEngine) -> Any:
     def wrap(original: Callable[..., dict[Any, Any]]) -> Callable[..., dict[Any, Any]]:
         def revert_weight_conversion(model: Any, state_dict: dict[Any, Any]) -> dict[Any, Any]:
@@ -213,5 +200,5 @@ def conversion_wrappers(engine: ConversionEngine) -> Makers:
         "get_model_conversion_mapping": _wrap_get_model_conversion_mapping(engine),
         "revert_weight_conversion": _wrap_revert(engine),
         "_load_pretrained_model": _wrap_load_pretrained_model(engine),
-        "post_init": _wrap_post_init(engine),
+        "post_init": wrap_post_init(engine),
     }

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-__all__ = ["ConversionEngine", "LoadRequest", "Offload", "Place", "Reversed"]
+__all__ = ["ConversionEngine", "LoadRequest", "Offload", "Place", "Reversed", "wrap_post_init"]
 
 #: ``offload(key, tensor)``: write a converted weight to the loader's offload folder.
 Offload = Callable[[str, torch.Tensor], None]
@@ -103,3 +103,19 @@ class ConversionEngine(Protocol):
     def report_problem(self, model: torch.nn.Module, message: str) -> None:
         """Add ``message`` to the model's graft report (strict mode raises on it)."""
         ...
+
+
+def wrap_post_init(engine: ConversionEngine) -> Any:
+    """The ``post_init`` wrapper of both transformers lines: a model built while a load is being
+    converted is remembered by the engine (the same step on 4.57 and 5.x)."""
+
+    def wrap(original: Any) -> Any:
+        def post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            if engine.active():
+                engine.remember(self)
+            return result
+
+        return post_init
+
+    return wrap
