@@ -19,6 +19,24 @@ from families import family
 from modelgraft import registry
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--release-smoke",
+        action="store_true",
+        help="run only the smoke subset of tests/release_smoke.py (the version walk's, per release)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--release-smoke"):
+        return
+    from release_smoke import selected
+
+    keep = [item for item in items if selected(item.nodeid)]
+    config.hook.pytest_deselected(items=[item for item in items if not selected(item.nodeid)])
+    items[:] = keep
+
+
 @pytest.fixture(autouse=True)
 def _clean_registry() -> Iterator[None]:
     """Every test starts with an empty global patch registry, and leaves the global registry

@@ -119,15 +119,19 @@ def test_feature_flags_match_the_installed_modules() -> None:
 
 
 def test_the_construction_sites_match_the_installed_source() -> None:
-    # 5.x enters its own `apply_patches()` around `cls(config)` in both loaders (the construction
-    # site wrapped there); 4.57 has none and builds inside `get_init_context()`'s contexts.
+    # From 5.3 transformers enters its own `apply_patches()` around `cls(config)` in both loaders
+    # (the construction site wrapped there); 4.57 and 5.0-5.2 have none and build inside
+    # `get_init_context()`'s contexts.
+    around_apply_patches = _compat.FEATURES.construction == "apply_patches"
     init_ctx = PreTrainedModel.get_init_context
-    assert ("apply_patches" in inspect.getsource(init_ctx)) == IS_V5
-    assert ("init_contexts = [apply_patches()]" in inspect.getsource(PreTrainedModel._from_config)) == IS_V5
-    assert ("revert_weight_conversion" in inspect.getsource(PreTrainedModel.save_pretrained)) == IS_V5
-    registry_module = importlib.import_module(
-        "transformers.utils.output_capturing" if IS_V5 else "transformers.utils.generic"
+    assert ("apply_patches" in inspect.getsource(init_ctx)) == around_apply_patches
+    assert ("init_contexts = [apply_patches()]" in inspect.getsource(PreTrainedModel._from_config)) == (
+        around_apply_patches
     )
+    assert ("revert_weight_conversion" in inspect.getsource(PreTrainedModel.save_pretrained)) == (
+        _compat.HAS_BUILTIN_CONVERSION
+    )
+    registry_module = importlib.import_module(_compat.FEATURES.recorder_holders[0])
     assert hasattr(registry_module, "_CAN_RECORD_REGISTRY")
 
 
@@ -140,8 +144,7 @@ def _attentions(model: torch.nn.Module) -> int:
 
 
 def _output_recorder_class() -> type:
-    module = "transformers.utils.output_capturing" if IS_V5 else "transformers.utils.generic"
-    return importlib.import_module(module).OutputRecorder
+    return importlib.import_module(_compat.FEATURES.recorder_holders[0]).OutputRecorder
 
 
 def _bind_instance_recorders(model: torch.nn.Module, recorders: dict) -> None:
@@ -299,7 +302,7 @@ def test_construction_step_is_installed_with_modelgraft_and_fully_removable() ->
         assert not _compat.CONSTRUCTION.installed
         for name in ("get_init_context", "_from_config", "from_pretrained"):
             assert not marked(PreTrainedModel.__dict__[name]), name
-        if IS_V5:
+        if _compat.FEATURES.construction == "apply_patches":
             assert not marked(modeling_utils.apply_patches)
             assert modeling_utils.apply_patches is not before_v5
         model = LlamaModel(_llama_config())  # plain construction still works

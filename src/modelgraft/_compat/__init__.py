@@ -5,7 +5,8 @@ it imports nothing of modelgraft above it (only ``errors`` and ``_forksafe``), a
 outside it imports transformers internals. The rest of the package asks it instead of branching
 on versions or reaching into transformers:
 
-* version facts and feature flags (:mod:`._version`);
+* version facts (:mod:`._version`) and what the installed release has, detected from it
+  (:data:`FEATURES`, :mod:`._features`): everything below binds to features, not version numbers;
 * :data:`TRANSFORMERS`, the installed line behind one interface (:class:`TransformersLine`, in
   :mod:`.line`): the wrappers each group needs on this line, where MoE routing happens, meta-device
   builds, 4.57 class tables. It is the module :mod:`._v5` or :mod:`._v4` (with the conversion
@@ -34,10 +35,8 @@ from __future__ import annotations
 
 # Every module here imports `_version` before anything of transformers: an unsupported
 # transformers is refused with a clear error before any internal of it is touched.
+from modelgraft._compat._features import FEATURES, Features
 from modelgraft._compat._version import (
-    FUSED_MOE_EXPERTS,
-    HAS_BUILTIN_CONVERSION,
-    HAS_BUILTIN_PATCHING,
     IS_V5,
     SUPPORTED_RANGES,
     TRANSFORMERS_MAJOR,
@@ -60,9 +59,19 @@ from modelgraft._compat.models import (
 )
 from modelgraft._compat.wraps import CONSTRUCTION, CONVERSION, LOADERS, RECORDERS
 
+#: transformers ships its own ``monkey_patching`` module (5.3 on).
+HAS_BUILTIN_PATCHING = FEATURES.builtin_patching
+#: transformers converts checkpoint layouts itself (``WeightConverter``, ``conversion_mapping``,
+#: ``revert_weight_conversion`` on save): every 5.x. On 4.57 a checkpoint key maps to one parameter.
+HAS_BUILTIN_CONVERSION = FEATURES.builtin_conversion
+#: MoE experts are one module with 3D parameters (5.x) rather than a ``ModuleList`` of per-expert
+#: MLPs (4.57). Checkpoints use per-expert keys on both.
+FUSED_MOE_EXPERTS = FEATURES.fused_experts
+
 __all__ = [
     "CONSTRUCTION",
     "CONVERSION",
+    "FEATURES",
     "FUSED_MOE_EXPERTS",
     "HAS_BUILTIN_CONVERSION",
     "HAS_BUILTIN_PATCHING",
@@ -74,6 +83,7 @@ __all__ = [
     "TRANSFORMERS_MAJOR",
     "TRANSFORMERS_VERSION",
     "ConversionEngine",
+    "Features",
     "LoadRequest",
     "TransformersLine",
     "auto_model_class",

@@ -21,7 +21,10 @@ imports it. Wrapped (the ``conversion`` sites of :mod:`modelgraft._compat.wraps`
 
 Example:
     >>> from modelgraft._compat.wraps import sites
-    >>> sorted(conversion_wrappers(engine=None)) == sorted(s.attribute for s in sites("conversion", major=4))
+    >>> from dataclasses import replace
+    >>> from modelgraft._compat._features import FEATURES
+    >>> line = replace(FEATURES, builtin_conversion=False)
+    >>> sorted(conversion_wrappers(engine=None)) == sorted(s.attribute for s in sites("conversion", features=line))
     True
 """
 

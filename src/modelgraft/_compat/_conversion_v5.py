@@ -17,13 +17,17 @@ in ``transformers.modeling_utils``:
 
 Example:
     >>> from modelgraft._compat.wraps import sites
-    >>> sorted(conversion_wrappers(engine=None)) == sorted(s.attribute for s in sites("conversion", major=5))
+    >>> from dataclasses import replace
+    >>> from modelgraft._compat._features import FEATURES
+    >>> line = replace(FEATURES, builtin_conversion=True)
+    >>> sorted(conversion_wrappers(engine=None)) == sorted(s.attribute for s in sites("conversion", features=line))
     True
 """
 
 from __future__ import annotations
 
 import contextvars
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -83,11 +87,38 @@ def _wrap_get_model_conversion_mapping(engine: ConversionEngine) -> Any:
 
 
 def _renamer(weight_mapping: list[Any]) -> Any:
-    """The loader's own key renamings (not its converters), as one ``str -> str`` function."""
+    """The loader's own key renamings (not its converters), as one ``str -> str`` function.
+
+    ``rename_source_key`` (every 5.x release has it) with no converter applies the renamings in
+    turn, as the loader does (5.21 on also names that step ``apply_renamings``).
+    """
     renamings = [t for t in weight_mapping if isinstance(t, _tcore.WeightRenaming)]
     if not renamings:
         return None
-    return lambda key: _tcore.apply_renamings(key, renamings)
+    return lambda key: _tcore.rename_source_key(key, renamings, [])[0]
+
+
+def _set_param(model: Any, name: str, value: torch.Tensor, loading_info: Any, quantizer: Any) -> None:
+    """``set_param_for_module`` with the arguments this release takes: 5.16 on ``(model, name,
+    value, loading_info, hf_quantizer)``; 5.1 to 5.15 with a ``distributed_operation`` before the
+    quantizer; 5.0 with the loading report's key sets instead of ``loading_info``."""
+    setter: Any = _tcore.set_param_for_module  # its signature is the installed release's
+    parameters = inspect.signature(setter).parameters
+    if "loading_info" not in parameters:
+        setter(
+            model,
+            name,
+            value,
+            loading_info.mismatched_keys,
+            loading_info.missing_keys,
+            loading_info.unexpected_keys,
+            None,
+            quantizer,
+        )
+    elif "distributed_operation" in parameters:
+        setter(model, name, value, loading_info, None, quantizer)
+    else:
+        setter(model, name, value, loading_info, quantizer)
 
 
 def _quantizing_placer(model: Any, quantizer: Any, loading_info: Any) -> Any:
@@ -111,7 +142,7 @@ def _quantizing_placer(model: Any, quantizer: Any, loading_info: Any) -> Any:
         )
         for name, value in realized.items():
             value = value[0] if isinstance(value, list) else value
-            _tcore.set_param_for_module(model, name, value, loading_info, quantizer)
+            _set_param(model, name, value, loading_info, quantizer)
         return True
 
     return place
@@ -122,7 +153,10 @@ def _wrap_load_pretrained_model(engine: ConversionEngine) -> Any:
         def _load_pretrained_model(
             model: Any, state_dict: Any, checkpoint_files: Any, load_config: Any, *a: Any, **kw: Any
         ) -> Any:
-            loading_info, offload_index = original(model, state_dict, checkpoint_files, load_config, *a, **kw)
+            result = original(model, state_dict, checkpoint_files, load_config, *a, **kw)
+            # 5.1 on return `(loading_info, offload_index)`; 5.0 the loading info alone.
+            pair = isinstance(result, tuple)
+            loading_info, offload_index = result if pair else (result, result.disk_offload_index)
             if engine.active():
                 offloaded: dict[Any, Any] = offload_index if offload_index is not None else {}
 
@@ -152,7 +186,10 @@ def _wrap_load_pretrained_model(engine: ConversionEngine) -> Any:
                 )
                 if offloaded and offload_index is None:
                     offload_index = offloaded
-            return loading_info, offload_index
+            if pair:
+                return loading_info, offload_index
+            loading_info.disk_offload_index = offload_index
+            return loading_info
 
         return _load_pretrained_model
 

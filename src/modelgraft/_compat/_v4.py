@@ -1,17 +1,9 @@
 """transformers 4.57 behind :mod:`modelgraft._compat`: its :class:`~modelgraft._compat.line.TransformersLine`
 (imported only on 4.x; bound as :data:`modelgraft._compat.TRANSFORMERS`).
 
-Output recorders: 4.57 keeps ``_can_record_outputs`` in a plain ``dict``,
-``transformers.utils.generic._CAN_RECORD_REGISTRY``, keyed by ``str(model.__class__)`` and read
-by the ``check_model_inputs`` decorator as ``registry.get(str(self.__class__), {})``: the
-instance never reaches the registry. To make recorders per instance, the registry is replaced
-(in ``transformers.utils.generic`` and ``transformers.modeling_utils``, the two modules that
-hold it) by a ``dict`` subclass with the same items whose ``get`` consults the tracked models
-whose forward is running in this thread or task (a ``ContextVar`` stack pushed and popped by
-forward hooks on those instances only).
-
-Construction: 4.57 has no ``apply_patches``; ``from_pretrained`` builds the model inside the
-contexts of ``get_init_context`` and ``_from_config`` calls ``cls(config)`` directly.
+Output recorders (a registry read by class name) and construction (the contexts of
+``get_init_context``) are bound by feature, in :mod:`._recorders` and :mod:`._construction`,
+and re-exported here: 5.0 to 5.2 share them with 4.57.
 
 MoE: in 4.57 the router of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (and others) is an
 ``nn.Linear`` named ``gate`` inside the sparse-MoE block, whose forward does the softmax and
@@ -22,24 +14,24 @@ The wrappers made here are those of the ``construction`` and ``recorders`` sites
 :mod:`modelgraft._compat._conversion_v4`.
 
 Example:
-    >>> sorted(construction_wrappers(step=None)), sorted(recorder_wrappers())
-    (['_from_config', 'get_init_context'], ['_CAN_RECORD_REGISTRY'])
+    >>> block = "self.gate = nn.Linear(h, e); self.experts = nn.ModuleList([])"
+    >>> defines_layout_moe(block), defines_layout_moe("class MixtralExperts(nn.Module): ...")
+    (True, False)
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
-from contextvars import ContextVar
 from typing import Any, cast
 
 import torch
 from torch import nn
 
+from modelgraft._compat._construction import construction_wrappers
 from modelgraft._compat._conversion_v4 import conversion_wrappers
-from modelgraft._compat.wraps import Makers
-from modelgraft._forksafe import ForkSafeLock
+from modelgraft._compat._recorders import recorder_wrappers, track_instance_recorders
 
 __all__ = [
     "construction_wrappers",
@@ -52,102 +44,8 @@ __all__ = [
     "track_instance_recorders",
 ]
 
-_ATTR = "_can_record_outputs"
-_HOOKS_ATTR = "_modelgraft_recorder_hooks"
 _ROUTER_NAMES = ("gate", "router")
 _ROUTER_CLASS = re.compile(r"(Router|Gate|Gating)$")
-_LOCK = ForkSafeLock()
-
-# Bound models whose forward is running, innermost last (per thread and per asyncio task).
-_RUNNING: ContextVar[tuple[nn.Module, ...]] = ContextVar("modelgraft_running_models", default=())
-
-
-class _InstanceAwareRegistry(dict[Any, Any]):
-    """``_CAN_RECORD_REGISTRY`` whose ``get`` prefers the recorders of a running, tracked model."""
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        if torch.compiler.is_compiling():  # dynamo cannot trace ContextVar; class recorders then
-            return super().get(key, default)
-        for model in reversed(_RUNNING.get()):
-            own = model.__dict__.get(_ATTR)
-            if own is not None and str(type(model)) == key:
-                return own
-        return super().get(key, default)
-
-
-def recorder_wrappers() -> Makers:
-    """See :meth:`~modelgraft._compat.line.TransformersLine.recorder_wrappers`.
-
-    The registry is a plain ``dict`` (its class cannot change in place), so both modules that
-    hold it (``transformers.utils.generic`` and ``transformers.modeling_utils``) get one
-    replacement object with the same items. On removal both get one plain ``dict`` with the items
-    the replacement holds then (models built meanwhile registered theirs in it).
-    """
-    shared: dict[str, dict[Any, Any]] = {}
-
-    def replace(current: dict[Any, Any]) -> dict[Any, Any]:
-        if "replacement" not in shared:
-            shared["replacement"] = _InstanceAwareRegistry(current)
-        return shared["replacement"]
-
-    def restore(replacement: dict[Any, Any]) -> dict[Any, Any]:
-        if "plain" not in shared:
-            shared["plain"] = dict(replacement)
-        return shared["plain"]
-
-    return {"_CAN_RECORD_REGISTRY": (replace, restore)}
-
-
-def _push(model: nn.Module, args: Any) -> None:
-    if not torch.compiler.is_compiling():
-        _RUNNING.set((*_RUNNING.get(), model))
-
-
-def _pop(model: nn.Module, args: Any, output: Any) -> None:
-    if torch.compiler.is_compiling():
-        return
-    running = _RUNNING.get()
-    # Remove the innermost entry for this model; a forward that raised still comes through here.
-    for i in range(len(running) - 1, -1, -1):
-        if running[i] is model:
-            _RUNNING.set(running[:i] + running[i + 1 :])
-            return
-
-
-def track_instance_recorders(model: nn.Module) -> None:
-    """Add forward hooks to ``model`` that mark it as running in this thread or task (idempotent)."""
-    with _LOCK:
-        if _HOOKS_ATTR not in model.__dict__:
-            model.__dict__[_HOOKS_ATTR] = (
-                model.register_forward_pre_hook(_push),
-                model.register_forward_hook(_pop, always_call=True),
-            )
-
-
-def construction_wrappers(step: Callable[[], AbstractContextManager[Any]]) -> Makers:
-    """See :meth:`~modelgraft._compat.line.TransformersLine.construction_wrappers`.
-
-    4.57 ``from_pretrained`` enters the list returned by ``get_init_context`` right around
-    ``cls(config)``, so ``step()`` is appended to it. 4.57 ``_from_config`` only sets the default
-    dtype and calls ``cls(config)``, so ``step()`` wraps all of it: install these *before*
-    wrapping ``_from_config`` yourself, so that they run inside your wrapper (and remove them after
-    yours: each attribute is restored only where it still holds this wrapper).
-    """
-
-    def wrap_init_context(original: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
-        def get_init_context(cls: type, *args: Any, **kwargs: Any) -> list[Any]:
-            return [*original(cls, *args, **kwargs), step()]
-
-        return get_init_context
-
-    def wrap_from_config(original: Callable[..., Any]) -> Callable[..., Any]:
-        def _from_config(cls: type, *args: Any, **kwargs: Any) -> Any:
-            with step():
-                return original(cls, *args, **kwargs)
-
-        return _from_config
-
-    return {"get_init_context": wrap_init_context, "_from_config": wrap_from_config}
 
 
 def moe_router_candidates(modules: Mapping[str, nn.Module]) -> Iterator[tuple[str, nn.Module, nn.Module]]:

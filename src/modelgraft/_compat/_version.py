@@ -18,9 +18,6 @@ from packaging.version import Version
 from modelgraft.errors import UnsupportedTransformersError
 
 __all__ = [
-    "FUSED_MOE_EXPERTS",
-    "HAS_BUILTIN_CONVERSION",
-    "HAS_BUILTIN_PATCHING",
     "IS_V5",
     "SUPPORTED_RANGES",
     "TRANSFORMERS_MAJOR",
@@ -69,13 +66,3 @@ def check_supported(version: Version | str = TRANSFORMERS_VERSION) -> None:
 
 
 check_supported()
-
-# Feature flags. Each says what the installed transformers has, so callers need no version test.
-#: transformers ships its own ``monkey_patching`` module (5.x); 4.57 has none.
-HAS_BUILTIN_PATCHING = IS_V5
-#: transformers converts checkpoint layouts itself (``WeightConverter``, ``conversion_mapping``,
-#: ``revert_weight_conversion`` on save): 5.x. On 4.57 a checkpoint key maps to one parameter.
-HAS_BUILTIN_CONVERSION = IS_V5
-#: MoE experts are one module with 3D parameters (5.x) rather than a ``ModuleList`` of per-expert
-#: MLPs (4.57). Checkpoints use per-expert keys on both.
-FUSED_MOE_EXPERTS = IS_V5

@@ -5,11 +5,12 @@ reaches in: how a model is constructed, where output recorders are looked up, ho
 laid out, how checkpoints are loaded and saved. Each line implements :class:`TransformersLine` in
 one module, :mod:`._v5` or :mod:`._v4` (which re-exports the conversion wiring of
 :mod:`._conversion_v5` or :mod:`._conversion_v4`). :data:`TRANSFORMERS` is that module, chosen here
-at import by the installed version; callers use it directly, and nothing else tests the version.
+at import by what the installed release has (:data:`~._features.FEATURES`: its own checkpoint
+conversion); callers use it directly, and nothing else tests the version.
 The type checker holds both modules to the interface.
 
 Example:
-    >>> TRANSFORMERS.__name__ == ("modelgraft._compat._v5" if IS_V5 else "modelgraft._compat._v4")
+    >>> TRANSFORMERS.__name__ == ("modelgraft._compat._v5" if FEATURES.builtin_conversion else "modelgraft._compat._v4")
     True
 """
 
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 
-from modelgraft._compat._version import IS_V5
+from modelgraft._compat._features import FEATURES
 from modelgraft._compat.engine import ConversionEngine
 from modelgraft._compat.wraps import Makers
 
@@ -128,7 +129,7 @@ class TransformersLine(Protocol):
 
         Example:
             >>> src = "self.gate = nn.Linear(h, e); self.experts = nn.ModuleList([])"
-            >>> TRANSFORMERS.defines_layout_moe(src) == (not IS_V5)
+            >>> TRANSFORMERS.defines_layout_moe(src) == (not FEATURES.fused_experts)
             True
         """
         ...
@@ -157,7 +158,7 @@ class TransformersLine(Protocol):
             >>> class Mine(torch.nn.Module): ...
             >>> mod = types.ModuleType("m"); mod.ATTN_CLASSES = {"eager": Attn, "sdpa": SdpaAttn}
             >>> log = TRANSFORMERS.rebind_class_tables(mod, {Attn: Mine})
-            >>> mod.ATTN_CLASSES["sdpa"] is (SdpaAttn if IS_V5 else Mine)
+            >>> mod.ATTN_CLASSES["sdpa"] is (SdpaAttn if FEATURES.builtin_conversion else Mine)
             True
             >>> restore_class_tables(log); mod.ATTN_CLASSES["sdpa"] is SdpaAttn
             True
@@ -186,7 +187,7 @@ class TransformersLine(Protocol):
             >>> block.gate = torch.nn.Linear(8, 4, bias=False)
             >>> block.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
             >>> found = [name for name, _, _ in TRANSFORMERS.moe_router_candidates(dict(block.named_modules()))]
-            >>> found == ([] if IS_V5 else ["gate"])
+            >>> found == ([] if FEATURES.fused_experts else ["gate"])
             True
         """
         ...
@@ -204,8 +205,9 @@ def restore_class_tables(log: list[ClassTableEntry]) -> None:
             table[key] = original
 
 
-# Each line's module is imported only on that line (the other one's internals do not exist).
-if IS_V5 or TYPE_CHECKING:
+# Each line's module is imported only on that line (the other one's internals do not exist): the
+# 5.x one wherever transformers converts checkpoint layouts itself.
+if FEATURES.builtin_conversion or TYPE_CHECKING:
     from modelgraft._compat import _v5 as _installed
 else:
     from modelgraft._compat import _v4 as _installed

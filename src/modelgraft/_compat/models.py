@@ -19,7 +19,9 @@ from typing import Any, cast
 
 import torch
 
-from modelgraft._compat._version import HAS_BUILTIN_CONVERSION
+from modelgraft._compat._features import FEATURES
+
+HAS_BUILTIN_CONVERSION = FEATURES.builtin_conversion
 
 __all__ = [
     "auto_model_class",
@@ -157,12 +159,16 @@ def transformers_load_info_class() -> Any:
         >>> (transformers_load_info_class() is None) == (not HAS_BUILTIN_CONVERSION)
         True
     """
+    if not HAS_BUILTIN_CONVERSION:
+        return None
     try:
         from transformers.utils.loading_report import (  # type: ignore[import-not-found, unused-ignore]
-            LoadStateDictInfo,  # 5.x only
+            LoadStateDictInfo,  # 5.1 on
         )
     except ImportError:
-        return None
+        from transformers.modeling_utils import (  # type: ignore[attr-defined, unused-ignore]
+            LoadStateDictInfo,  # 5.0
+        )
     return LoadStateDictInfo
 
 

@@ -1,4 +1,4 @@
-"""Every transformers attribute modelgraft wraps, per version, in the order it is installed.
+"""Every transformers attribute modelgraft wraps, per feature of the release, in the order it is installed.
 
 :data:`SITES` is the whole list: nothing in modelgraft replaces an attribute of transformers that
 is not in it (a test checks that each entry exists on the installed transformers, is wrapped
@@ -39,8 +39,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from modelgraft._compat._version import TRANSFORMERS_MAJOR
+from modelgraft._compat._features import FEATURES, Features
 from modelgraft._compat._wrapping import Make, Restore, Wrappers
+from modelgraft.errors import UnsupportedTransformersError
 
 __all__ = [
     "CONSTRUCTION",
@@ -49,6 +50,7 @@ __all__ = [
     "LOADERS",
     "RECORDERS",
     "SITES",
+    "WHEN",
     "Makers",
     "Site",
     "WrapGroup",
@@ -65,6 +67,26 @@ GROUPS = ("construction", "loaders", "recorders", "conversion")
 
 _MU = "transformers.modeling_utils"
 _PTM = "transformers.modeling_utils.PreTrainedModel"
+_GENERIC = "transformers.utils.generic"
+_CAPTURING = "transformers.utils.output_capturing"
+
+#: When a site is wrapped: a condition on the release's :class:`~._features.Features` (what the
+#: release has, never its version number), by name.
+WHEN: dict[str, Callable[[Features], bool]] = {
+    "always": lambda f: True,
+    "builtin conversion": lambda f: f.builtin_conversion,
+    "no builtin conversion": lambda f: not f.builtin_conversion,
+    "apply_patches": lambda f: f.construction == "apply_patches",
+    "init contexts": lambda f: f.construction == "init_contexts",
+    "registry by instance": lambda f: f.recorder_registry == "by_instance",
+    "registry by class name in generic": lambda f: (
+        f.recorder_registry == "by_class_name" and _GENERIC in f.recorder_holders
+    ),
+    "registry by class name in output_capturing": lambda f: (
+        f.recorder_registry == "by_class_name" and _CAPTURING in f.recorder_holders
+    ),
+    "registry by class name": lambda f: f.recorder_registry == "by_class_name",
+}
 
 
 @dataclass(frozen=True)
@@ -76,14 +98,14 @@ class Site:
         owner: dotted path of the object holding the attribute (a module, a class, or an object
             such as a registry).
         attribute: the attribute replaced on ``owner``.
-        majors: the transformers major versions on which modelgraft replaces it.
+        when: the name of the condition (a key of :data:`WHEN`) under which modelgraft replaces it.
         why: what the wrapper does there.
     """
 
     group: str
     owner: str
     attribute: str
-    majors: tuple[int, ...]
+    when: str
     why: str
 
 
@@ -93,62 +115,114 @@ SITES: tuple[Site, ...] = (
         "construction",
         _MU,
         "apply_patches",
-        (5,),
+        "apply_patches",
         "entered by from_pretrained and _from_config around cls(config)",
     ),
     Site(
-        "construction", _PTM, "get_init_context", (4,), "its contexts surround cls(config) in from_pretrained"
+        "construction",
+        _PTM,
+        "get_init_context",
+        "init contexts",
+        "its contexts surround cls(config) in from_pretrained",
     ),
-    Site("construction", _PTM, "_from_config", (4,), "calls cls(config) directly; wrapped whole"),
+    Site("construction", _PTM, "_from_config", "init contexts", "calls cls(config) directly; wrapped whole"),
     # 2. loaders
-    Site("loaders", _PTM, "from_pretrained", (4, 5), "one registry snapshot per load; report; strict mode"),
-    Site("loaders", _PTM, "_from_config", (4, 5), "one registry snapshot per build (AutoModel.from_config)"),
-    Site("loaders", _PTM, "initialize_weights", (4, 5), "initialise with the original classes bound"),
+    Site("loaders", _PTM, "from_pretrained", "always", "one registry snapshot per load; report; strict mode"),
+    Site(
+        "loaders", _PTM, "_from_config", "always", "one registry snapshot per build (AutoModel.from_config)"
+    ),
+    Site("loaders", _PTM, "initialize_weights", "always", "initialise with the original classes bound"),
     # 3. recorders
     Site(
         "recorders",
-        "transformers.utils.output_capturing._CAN_RECORD_REGISTRY",
+        f"{_CAPTURING}._CAN_RECORD_REGISTRY",
         "get",
-        (5,),
+        "registry by instance",
         "receives the model: an instance's own `_can_record_outputs` comes first",
     ),
     Site(
         "recorders",
-        "transformers.utils.generic",
+        _GENERIC,
         "_CAN_RECORD_REGISTRY",
-        (4,),
+        "registry by class name in generic",
         "a plain dict read by class name: replaced by one that knows the running instance",
     ),
-    Site("recorders", _MU, "_CAN_RECORD_REGISTRY", (4,), "the same registry, imported there"),
+    Site(
+        "recorders",
+        _CAPTURING,
+        "_CAN_RECORD_REGISTRY",
+        "registry by class name in output_capturing",
+        "a plain dict read by class name: replaced by one that knows the running instance",
+    ),
+    Site(
+        "recorders",
+        _MU,
+        "_CAN_RECORD_REGISTRY",
+        "registry by class name",
+        "the same registry, imported there",
+    ),
     # 4. conversion
     Site(
-        "conversion", _MU, "get_model_conversion_mapping", (5,), "drop built-in transforms an entry replaces"
+        "conversion",
+        _MU,
+        "get_model_conversion_mapping",
+        "builtin conversion",
+        "drop built-in transforms an entry replaces",
     ),
-    Site("conversion", _MU, "revert_weight_conversion", (5,), "save: reverse modelgraft's conversions"),
-    Site("conversion", _MU, "_find_missing_and_unexpected_keys", (4,), "fill converted parameters"),
+    Site(
+        "conversion",
+        _MU,
+        "revert_weight_conversion",
+        "builtin conversion",
+        "save: reverse modelgraft's conversions",
+    ),
+    Site(
+        "conversion",
+        _MU,
+        "_find_missing_and_unexpected_keys",
+        "no builtin conversion",
+        "fill converted parameters",
+    ),
     Site(
         "conversion",
         _PTM,
         "_load_pretrained_model",
-        (4, 5),
-        "5.x: fill converted parameters; 4.57: share the load",
+        "always",
+        "with builtin conversion: fill converted parameters; else share the load",
     ),
-    Site("conversion", _PTM, "_adjust_missing_and_unexpected_keys", (4,), "drop consumed checkpoint keys"),
-    Site("conversion", _PTM, "post_init", (4, 5), "remember the conversion entries a model was built under"),
-    Site("conversion", _PTM, "save_pretrained", (4,), "save: reverse modelgraft's conversions"),
+    Site(
+        "conversion",
+        _PTM,
+        "_adjust_missing_and_unexpected_keys",
+        "no builtin conversion",
+        "drop consumed checkpoint keys",
+    ),
+    Site(
+        "conversion", _PTM, "post_init", "always", "remember the conversion entries a model was built under"
+    ),
+    Site(
+        "conversion",
+        _PTM,
+        "save_pretrained",
+        "no builtin conversion",
+        "save: reverse modelgraft's conversions",
+    ),
 )
 
 
-def sites(group: str | None = None, major: int = TRANSFORMERS_MAJOR) -> list[Site]:
-    """The sites of ``group`` (all groups by default) on transformers ``major``, in installation order.
+def sites(group: str | None = None, features: Features = FEATURES) -> list[Site]:
+    """The sites of ``group`` (all groups by default) on a release with ``features`` (the
+    installed one by default), in installation order.
 
     Example:
-        >>> [s.attribute for s in sites("construction", major=4)]
+        >>> from dataclasses import replace
+        >>> older = replace(FEATURES, construction="init_contexts")
+        >>> [s.attribute for s in sites("construction", features=older)]
         ['get_init_context', '_from_config']
     """
     if group is not None and group not in GROUPS:
         raise ValueError(f"unknown wrap group `{group}`; expected one of {GROUPS}")
-    return [s for s in SITES if major in s.majors and (group is None or s.group == group)]
+    return [s for s in SITES if WHEN[s.when](features) and (group is None or s.group == group)]
 
 
 def owner_of(site: Site) -> Any:
@@ -165,6 +239,11 @@ def owner_of(site: Site) -> Any:
         except ModuleNotFoundError:
             continue
         for name in parts[cut:]:
+            if not hasattr(found, name):
+                raise UnsupportedTransformersError(
+                    f"transformers `{FEATURES.release}` has no `{site.owner}` (for `{site.attribute}`: "
+                    f"{site.why}); modelgraft cannot hook this release. docs/compat.md lists the supported ones."
+                )
             found = getattr(found, name)
         return found
     raise ModuleNotFoundError(f"no module of `{site.owner}` can be imported")
@@ -204,9 +283,15 @@ class WrapGroup:
             )
         steps: list[Any] = []
         for site in self._sites:
+            owner = owner_of(site)
+            if not hasattr(owner, site.attribute):
+                raise UnsupportedTransformersError(
+                    f"transformers `{FEATURES.release}` has no `{site.owner}.{site.attribute}` "
+                    f"({site.why}); modelgraft cannot hook this release. docs/compat.md lists the supported ones."
+                )
             made = makers[site.attribute]
             pair: tuple[Callable[..., Any], ...] = made if isinstance(made, tuple) else (made,)
-            steps.append((owner_of(site), site.attribute, *pair))
+            steps.append((owner, site.attribute, *pair))
         self._wrappers.install(steps)
 
     def uninstall(self) -> None:
