@@ -98,14 +98,17 @@ def _renamer(weight_mapping: list[Any]) -> Any:
     return lambda key: _tcore.rename_source_key(key, renamings, [])[0]
 
 
+# `set_param_for_module`'s parameters are the installed release's: read once, not per weight.
+_SET_PARAM: Any = _tcore.set_param_for_module
+_SET_PARAM_ARGS = inspect.signature(_SET_PARAM).parameters
+
+
 def _set_param(model: Any, name: str, value: torch.Tensor, loading_info: Any, quantizer: Any) -> None:
     """``set_param_for_module`` with the arguments this release takes: 5.16 on ``(model, name,
     value, loading_info, hf_quantizer)``; 5.1 to 5.15 with a ``distributed_operation`` before the
     quantizer; 5.0 with the loading report's key sets instead of ``loading_info``."""
-    setter: Any = _tcore.set_param_for_module  # its signature is the installed release's
-    parameters = inspect.signature(setter).parameters
-    if "loading_info" not in parameters:
-        setter(
+    if "loading_info" not in _SET_PARAM_ARGS:
+        _SET_PARAM(
             model,
             name,
             value,
@@ -115,10 +118,10 @@ def _set_param(model: Any, name: str, value: torch.Tensor, loading_info: Any, qu
             None,
             quantizer,
         )
-    elif "distributed_operation" in parameters:
-        setter(model, name, value, loading_info, None, quantizer)
+    elif "distributed_operation" in _SET_PARAM_ARGS:
+        _SET_PARAM(model, name, value, loading_info, None, quantizer)
     else:
-        setter(model, name, value, loading_info, quantizer)
+        _SET_PARAM(model, name, value, loading_info, quantizer)
 
 
 def _quantizing_placer(model: Any, quantizer: Any, loading_info: Any) -> Any:
