@@ -31,6 +31,15 @@ def _constraints_without_transformers() -> Path:
     return out
 
 
+def _link_base(folder: Path) -> None:
+    """Make the base venv's packages importable after the release's own site-packages (which
+    therefore wins). ``site.addsitedir`` rather than a bare path, so that the base venv's own
+    ``.pth`` files run too (the editable install of modelgraft is one)."""
+    purelib = Path(sysconfig.get_paths(vars={"base": str(folder), "platbase": str(folder)})["purelib"])
+    base = sysconfig.get_paths()["purelib"]
+    (purelib / "_modelgraft_base.pth").write_text(f"import site; site.addsitedir({base!r})\n")
+
+
 def env_python(release: str) -> Path:
     return ENVS / release / "bin" / "python"
 
@@ -41,12 +50,11 @@ def ensure(release: str) -> Path:
     stamp = folder / ".installed"
     python = env_python(release)
     if stamp.exists() and python.exists():
+        _link_base(folder)
         return python
     print(f"[version-envs] creating {folder} (transformers=={release})", flush=True)
     venv.EnvBuilder(clear=True, with_pip=True).create(folder)
-    purelib = Path(sysconfig.get_paths(vars={"base": str(folder), "platbase": str(folder)})["purelib"])
-    # The base venv's packages, after the release's own site-packages (which therefore wins).
-    (purelib / "_modelgraft_base.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    _link_base(folder)
     subprocess.run(
         [
             str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",

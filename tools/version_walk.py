@@ -58,7 +58,8 @@ class Row:
 
 
 def _smoke(python: Path, *, probe: bool) -> tuple[bool, str]:
-    env = dict(os.environ)
+    # This checkout's source, whatever the environment's base venv has installed.
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     if probe:
         env["MODELGRAFT_UNSUPPORTED_TRANSFORMERS_PROBE"] = "1"
     command = [str(python), "-m", "pytest", "-q", "--release-smoke", "-p", "no:cacheprovider"]
@@ -70,7 +71,7 @@ def _smoke(python: Path, *, probe: bool) -> tuple[bool, str]:
     if done.returncode != 0:
         failed = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
         sys.stdout.write("\n".join(failed[:20]) + ("\n" if failed else ""))
-    return done.returncode == 0, summary.strip("= ")
+    return done.returncode == 0, " ".join(summary.split()).strip("= ")
 
 
 def _refusal(python: Path) -> tuple[bool, str]:
@@ -83,7 +84,8 @@ def _refusal(python: Path) -> tuple[bool, str]:
         "else:\n"
         "    print('imported')\n"
     )
-    done = subprocess.run([str(python), "-c", code], cwd=ROOT, capture_output=True, text=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    done = subprocess.run([str(python), "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     out = done.stdout.strip()
     refused = out.startswith("UnsupportedTransformersError |") and "found `" in out
     return refused, ("refused: " + out.split("|", 1)[1].strip()[:90]) if refused else (out or done.stderr)[
