@@ -82,6 +82,16 @@ def _config_from_json(path: Path) -> PretrainedConfig:
     return _read_config(path, lambda: AutoConfig.for_model(model_type, **data))
 
 
+def _check_architectures(architectures: object) -> None:
+    if architectures is not None and (
+        not isinstance(architectures, list | tuple) or not all(isinstance(a, str) for a in architectures)
+    ):
+        raise TargetError(
+            f"The config's `architectures` is `{architectures!r}`; expected a list of class names such "
+            'as `["LlamaForCausalLM"]`.'
+        )
+
+
 def looks_like_path(name: str) -> bool:
     """True for a name no model type has: one with a path separator, a leading ``.``/``~``, or ``.json``.
 
@@ -95,6 +105,14 @@ def looks_like_path(name: str) -> bool:
 def _read_config(path: Path, read: Callable[[], PretrainedConfig]) -> PretrainedConfig:
     # transformers validates values as it builds the config (a strict dataclass on 5.x, the config's
     # __init__ on 4.57): what it raises for a bad value differs by line, so it is reported as ours.
+    # `architectures` is checked before transformers sees it: some releases validate the field
+    # themselves, others accept anything, and the error must not depend on the release.
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raw = None
+    if isinstance(raw, dict):
+        _check_architectures(raw.get("architectures"))
     try:
         return read()
     except Exception as exc:
@@ -116,13 +134,7 @@ def model_class_for(config: PretrainedConfig) -> type[PreTrainedModel]:
         'BertForMaskedLM'
     """
     architectures = config.architectures
-    if architectures is not None and (
-        not isinstance(architectures, list | tuple) or not all(isinstance(a, str) for a in architectures)
-    ):
-        raise TargetError(
-            f"The config's `architectures` is `{architectures!r}`; expected a list of class names such "
-            'as `["LlamaForCausalLM"]`.'
-        )
+    _check_architectures(architectures)
     for name in architectures or ():
         found = getattr(transformers, name, None)
         if found is not None:  # a name this transformers lacks (remote code) falls back to the auto classes
