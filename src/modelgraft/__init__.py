@@ -69,7 +69,19 @@ from modelgraft.swap import add_scope_prefix, remove_scope_prefix
 from modelgraft.verify import VerifyReport, verify
 from modelgraft.weight_sync import original_state_dict
 
-__version__ = "0.1.0"
+
+
+def _installed_version() -> str:
+    """The version of the installed distribution: pyproject.toml's ``version`` is its one source."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("modelgraft")
+    except PackageNotFoundError:  # a source tree on sys.path that was never installed
+        return "0+unknown"
+
+
+__version__ = _installed_version()
 
 # Each area appends its public names in its own block below; keep __all__ sorted at the end.
 __all__ = [
