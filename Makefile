@@ -8,10 +8,16 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup setup-compat test test-compat test-versions test-versions-ci lint format demo bench clean
 
+# Setup says what it does before it does it: a first install downloads and unpacks torch and the
+# dev tools for minutes, so pip runs without -q and prints each package as it goes.
 $(STAMP): pyproject.toml $(CONSTRAINTS)
+	@test -x $(PY) || echo "==> setup: creating the virtual environment $(VENV) ($(PYTHON) -m venv)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[dev]'
+	@echo "==> setup: installing modelgraft (editable, with the dev extra) into $(VENV), pinned by $(CONSTRAINTS):"
+	@sed -e 's/#.*//' -e '/^[[:space:]]*$$/d' $(CONSTRAINTS) | tr '\n' ' ' | fold -s -w 96 | sed 's/^/      /'; echo
+	$(PY) -m pip install -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP)
+	@echo "==> setup: done ($(VENV) is ready)"
 
 setup: $(STAMP)
 
@@ -44,6 +50,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format src tests benchmarks examples tools
 
 demo: $(STAMP)
+	@echo "==> demo: examples/demo.py (the complete qwen2_moe example on a tiny local checkpoint, offline)"
 	$(PY) examples/demo.py
 
 bench: $(STAMP)

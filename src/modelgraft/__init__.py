@@ -13,6 +13,8 @@ change without notice. Every error modelgraft raises is exported here.
 
 from __future__ import annotations
 
+import importlib.metadata as _metadata
+
 from modelgraft import _compat  # noqa: F401  (fails early on an unsupported transformers)
 from modelgraft.conversion import (
     Chunk,
@@ -68,8 +70,6 @@ from modelgraft.state_load import load_original_state_dict
 from modelgraft.swap import add_scope_prefix, remove_scope_prefix
 from modelgraft.verify import VerifyReport, verify
 from modelgraft.weight_sync import original_state_dict
-
-__version__ = "0.1.0"
 
 # Each area appends its public names in its own block below; keep __all__ sorted at the end.
 __all__ = [
@@ -134,3 +134,9 @@ __all__ = [
 from modelgraft import hooks as _hooks  # installed last, once every part is imported
 
 _hooks.install()
+
+# The version of the installed distribution: pyproject.toml's `version` is its one source.
+try:
+    __version__ = _metadata.version("modelgraft")
+except _metadata.PackageNotFoundError:  # a source tree on sys.path that was never installed
+    __version__ = "0+unknown"

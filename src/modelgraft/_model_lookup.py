@@ -194,7 +194,7 @@ def import_object(reference: str) -> object:
     if not sep or not module_name or not attr:
         raise TargetError(
             f"`{reference}` is not a `package.module:NAME` reference; expected for example "
-            "`modelgraft.grafts:FUSED_QKV`."
+            "`modelgraft.grafts:fused_qkv`."
         )
     try:
         obj: object = importlib.import_module(module_name)

@@ -17,35 +17,54 @@ Example:
 
 from __future__ import annotations
 
+# Only the standard library and modelgraft.errors (itself standard library only) at module level:
+# `--help` and usage errors answer before torch and transformers load (issue 30). Each command
+# imports what it needs inside its handler.
 import argparse
 import contextlib
 import functools
 import json
 import operator
+import re
 import sys
+import textwrap
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, NoReturn, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
-import torch
-from transformers import logging as hf_logging
+from modelgraft.errors import GraftError, TargetError
 
-from modelgraft import _compat, registry, swap
-from modelgraft._model_lookup import TargetError, import_object, model_class_for, resolve_config
-from modelgraft.errors import GraftError
-from modelgraft.graft import Graft, scope
-from modelgraft.verify import verify
+if TYPE_CHECKING:
+    import torch
+
+    from modelgraft.graft import Graft
 
 __all__ = ["main"]
 
 _MAX_PARAMS_SHOWN = 16
+#: The width tables and long lines are fitted to: what any terminal has (``--json`` keeps all).
+_COLUMNS = 100
+#: The qualified name of the ``--key`` placeholder class (built lazily, it needs torch).
+_GIVEN = f"{__name__}._GivenKey"
 
 
-class _GivenKey(torch.nn.Module):
-    """Placeholder replacement for keys given with ``--key`` (they are only matched, never applied)."""
+@functools.cache
+def _given_key() -> type[torch.nn.Module]:
+    """The placeholder replacement for keys given with ``--key`` (only matched, never applied)."""
+    import torch
+
+    return type(
+        "_GivenKey",
+        (torch.nn.Module,),
+        {"__module__": __name__, "__qualname__": "_GivenKey", "__doc__": _given_key.__doc__},
+    )
 
 
-_GIVEN = f"{_GivenKey.__module__}.{_GivenKey.__qualname__}"
+def __getattr__(name: str) -> Any:
+    # `modelgraft.cli._GivenKey` resolves (a registry entry names its replacement by qualified name).
+    if name == "_GivenKey":
+        return _given_key()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -57,6 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except _UsageError as exc:
         return _refuse(exc.prog, json_mode, f"UsageError: {exc}" if json_mode else str(exc), stdout)
+    except SystemExit as exc:  # --help printed the usage: an answer, returned like every other
+        return exc.code if isinstance(exc.code, int) else 0
+    from transformers import logging as hf_logging  # the first heavy import: a command runs
+
     # Progress bars and load warnings would interleave with the tables (and break --json on stdout
     # for tools that merge the streams); restored afterwards for callers of main() in process.
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
@@ -198,10 +221,12 @@ def _parser() -> argparse.ArgumentParser:
 @contextlib.contextmanager
 def _extra_keys(keys: list[str], grafts: list[str], model_type: str | None = None) -> Iterator[None]:
     """Layer the ``--graft`` grafts and ``--key`` placeholders over the registry for this command."""
+    from modelgraft.graft import Graft, scope
+
     loaded = [_load_graft(ref, model_type) for ref in grafts]
     combined = functools.reduce(operator.add, loaded) if loaded else None
     taken = combined.mapping if combined is not None else {}
-    given = {key: _GivenKey for key in keys if key not in taken}
+    given = {key: _given_key() for key in keys if key not in taken}
     if given:  # validated like a registration: a bad regex is reported with exit code 2
         placeholders = Graft(given, name="--key")
         combined = placeholders if combined is None else combined + placeholders
@@ -216,8 +241,16 @@ def _load_graft(ref: str, model_type: str | None = None) -> Graft:
     """Resolve ``--graft``: a :class:`~modelgraft.Graft`, a factory returning one, or a mapping dict.
 
     A factory (``modelgraft.grafts:fused_qkv``) is called with the target's model type when there is
-    one (and it accepts it), else with no arguments (all its families).
+    one (and it accepts it), else with no arguments (all its families). A family the factory
+    refuses (:class:`~modelgraft.UnsupportedFamilyError`) is reported as the factory says it, not
+    replaced by the keys of every other family (which would then all match nothing).
     """
+    from modelgraft._model_lookup import import_object
+    from modelgraft.errors import UnsupportedFamilyError
+    from modelgraft.graft import Graft
+
+    if ":" not in ref:
+        raise TargetError(_bare_graft_message(ref))
     with _reported(f"Could not import `{ref}`"):
         obj = import_object(ref)
     if (
@@ -228,8 +261,12 @@ def _load_graft(ref: str, model_type: str | None = None) -> Graft:
     ):
         made = None
         if model_type is not None:
-            with contextlib.suppress(GraftError, ValueError, TypeError):
+            try:
                 made = obj(model_type)
+            except UnsupportedFamilyError:
+                raise  # the factory knows this family and says why its graft cannot apply
+            except (GraftError, ValueError, TypeError):
+                made = None  # a factory that takes no model type: all its families below
         if made is None:
             with _reported(f"`{ref}` failed when called with no arguments"):
                 made = obj()
@@ -247,6 +284,31 @@ def _load_graft(ref: str, model_type: str | None = None) -> Graft:
     )
 
 
+def _graft_factories() -> list[str]:
+    """The ready-made graft factories of :mod:`modelgraft.grafts` (the functions returning a Graft)."""
+    import inspect
+
+    import modelgraft.grafts
+
+    names = []
+    for name in modelgraft.grafts.__all__:
+        obj = getattr(modelgraft.grafts, name)
+        if inspect.isfunction(obj) and inspect.signature(obj).return_annotation in ("Graft", "'Graft'"):
+            names.append(name)
+    return names
+
+
+def _bare_graft_message(ref: str) -> str:
+    """Why ``--graft NAME`` (no ``module:``) cannot be imported, and the references that exist."""
+    factories = _graft_factories()
+    if ref in factories:
+        hint = f"did you mean `modelgraft.grafts:{ref}`?"
+    else:
+        hint = "the ready-made grafts are " + ", ".join(f"`modelgraft.grafts:{n}`" for n in factories)
+        hint += "; a graft of your own is `your_module:NAME`."
+    return f"`{ref}` is not a `package.module:NAME` reference; {hint}"
+
+
 @contextlib.contextmanager
 def _reported(what: str) -> Iterator[None]:
     """Turn anything user code raises (even ``SystemExit``) into a :class:`TargetError` saying ``what``."""
@@ -260,6 +322,8 @@ def _reported(what: str) -> Iterator[None]:
 
 def _key_candidates(class_name: str) -> dict[str, Any]:
     """Which keys match ``class_name``, which one wins and why, as plain data."""
+    from modelgraft import registry
+
     explanation = registry.explain(class_name, registry.snapshot())
     winner = None
     if explanation.winner is not None and explanation.replacement is not None:
@@ -281,7 +345,7 @@ def _key_candidates(class_name: str) -> dict[str, Any]:
 
 
 def _qualname(cls: type) -> str:
-    if cls is _GivenKey:
+    if cls is _given_key():
         return "(given with --key)"
     return f"{cls.__module__}.{cls.__qualname__}"
 
@@ -297,6 +361,9 @@ def inspect_architecture(target: str) -> dict[str, Any]:
         >>> [c["count"] for c in info["classes"] if c["class"] == "LlamaDecoderLayer"]
         [32]
     """
+    from modelgraft import _compat, registry
+    from modelgraft._model_lookup import model_class_for, resolve_config
+
     start = time.perf_counter()
     config, _ = resolve_config(target)
     model_cls = model_class_for(config)
@@ -334,6 +401,8 @@ def inspect_architecture(target: str) -> dict[str, Any]:
 
 
 def _describe_class(cls: type, example: torch.nn.Module) -> dict[str, Any]:
+    from modelgraft import swap
+
     # Classes outside the patch scope (torch, non-modeling transformers modules such as
     # activations) are never swapped at load time: say so instead of listing keys for them.
     patchable = not swap._is_library_module(cls.__module__)
@@ -367,21 +436,30 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(args, info)
         return 0
-    print(
+    _print_wrapped(
         f"{info['target']}: {info['model_class']} ({info['config_class']}), "
         f"{info['num_parameters']:,} parameters, built on meta in {info['seconds']:.3f} s"
     )
     rows = [("CLASS", "COUNT", "EXAMPLE", "PARAMETERS", "KEYS")]
     for c in info["classes"]:
-        params = ", ".join(f"{n}{tuple(s)}" for n, s in list(c["parameters"].items())[:2])
-        if len(c["parameters"]) > 2:
-            params += f", ... ({len(c['parameters'])} total)"
-        keys = _keys_cell(c)
-        rows.append((c["class"], str(c["count"]), c["examples"][0], params or "-", keys))
-    _print_table(rows)
+        rows.append((c["class"], str(c["count"]), c["examples"][0], _params_cell(c), _keys_cell(c)))
+    # The class and its count stay on one line (what a reader scans for); paths, shapes and keys
+    # wrap within their column, at dots and commas, so that the table fits in _COLUMNS.
+    _print_table(rows, wrap=(2, 3, 4))
     if info["keys_matching_nothing"]:
-        print("keys matching no class here: " + ", ".join(f"`{k}`" for k in info["keys_matching_nothing"]))
+        _print_wrapped(
+            "keys matching no class here: " + ", ".join(f"`{k}`" for k in info["keys_matching_nothing"])
+        )
     return 0
+
+
+def _params_cell(c: dict[str, Any]) -> str:
+    """The first parameter as ``name AxB``, then how many more (``--json`` lists them all)."""
+    params = list(c["parameters"].items())
+    shown = [f"{n} {'x'.join(map(str, s)) or '()'}" for n, s in params[:1]]
+    if len(params) > 1:
+        shown.append(f"+{len(params) - 1} more")
+    return ", ".join(shown) or "-"
 
 
 def _keys_cell(c: dict[str, Any]) -> str:
@@ -406,7 +484,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     if winner is None:
         print(f"`{args.class_name}` is not replaced: no registered or given key matches it.")
     else:
-        by = "" if winner["replacement"] == _qualname(_GivenKey) else f" by {winner['replacement']}"
+        by = "" if winner["replacement"] == _qualname(_given_key()) else f" by {winner['replacement']}"
         print(f"`{args.class_name}` is replaced{by}: key `{winner['key']}` wins.")
     if not info["candidates"]:
         print("No keys are registered; pass some with --key, --graft or --import.")
@@ -423,6 +501,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from modelgraft.verify import verify
+
     _run_imports(args.imports)
     bundles = [_load_graft(ref, _model_type_of(args.target)) for ref in args.graft or ()]
     graft = functools.reduce(operator.add, bundles) if bundles else None
@@ -442,11 +522,18 @@ def _cmd_compare_routing(args: argparse.Namespace) -> int:
     if args.max_rate is not None and not 0.0 <= args.max_rate <= 1.0:
         raise ValueError(f"--max-rate must be within 0..1; got {args.max_rate}.")
     result = compare_routing(RoutingTrace.load(args.trace_a), RoutingTrace.load(args.trace_b))
+    exceeded = None if args.max_rate is None else result.mismatch_rate > args.max_rate
     if args.json:
-        _print_json(args, result.to_dict(max_positions=args.positions))
+        # `max_rate` alone would read as the --max-rate threshold: the largest per-layer rate and
+        # the threshold (with its verdict, which is about mismatch_rate) get names of their own.
+        data = result.to_dict(max_positions=args.positions)
+        renamed = {"max_layer_rate" if k == "max_rate" else k: v for k, v in data.items()}
+        layers = renamed.pop("layers")
+        renamed.update(max_rate_threshold=args.max_rate, threshold_exceeded=exceeded, layers=layers)
+        _print_json(args, renamed)
     else:
         print(result.summary(max_positions=args.positions))
-    return 1 if args.max_rate is not None and result.mismatch_rate > args.max_rate else 0
+    return 1 if exceeded else 0
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -454,6 +541,8 @@ def _cmd_compare_routing(args: argparse.Namespace) -> int:
 
 def _model_type_of(target: str) -> str | None:
     """The model type a target names (a model type itself, or a folder's / config file's)."""
+    from modelgraft._model_lookup import resolve_config
+
     try:
         config, _ = resolve_config(target)
     except Exception:
@@ -474,8 +563,56 @@ def _print_json(args: argparse.Namespace, data: dict[str, Any]) -> None:
     print(json.dumps(data, indent=2, allow_nan=False), file=args.out)
 
 
-def _print_table(rows: Sequence[tuple[str, ...]]) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+def _print_wrapped(line: str) -> None:
+    """Print a long line folded to :data:`_COLUMNS`, continuation lines indented."""
+    print(textwrap.fill(line, _COLUMNS, subsequent_indent="    ", break_on_hyphens=False))
+
+
+def _print_table(rows: Sequence[tuple[str, ...]], wrap: Sequence[int] = ()) -> None:
+    """Print ``rows`` (the first is the header) as aligned columns.
+
+    When the table is wider than :data:`_COLUMNS`, the widest of the ``wrap`` columns narrows
+    first, down to its header's width (and at least 12); their cells continue on the next lines.
+    """
+    count = len(rows[0])
+    widths = [max(len(r[i]) for r in rows) for i in range(count)]
+    floors = {i: max(len(rows[0][i]), 12) for i in wrap}
+    excess = sum(widths) + 2 * (count - 1) - _COLUMNS
+    while excess > 0:
+        narrowable = [i for i in wrap if widths[i] > floors[i]]
+        if not narrowable:
+            break  # the fixed columns alone are too wide: as narrow as it gets
+        widest = max(narrowable, key=lambda i: widths[i])
+        widths[widest] -= 1
+        excess -= 1
     for row in rows:
-        cells = [cell.ljust(w) for cell, w in zip(row[:-1], widths)]
-        print("  ".join([*cells, row[-1]]).rstrip())
+        cells = [_fold(cell, widths[i]) if i in wrap else [cell] for i, cell in enumerate(row)]
+        for n in range(max(map(len, cells))):
+            parts = [(cell[n] if n < len(cell) else "") for cell in cells]
+            line = "  ".join(part.ljust(w) for part, w in zip(parts[:-1], widths)) + "  " + parts[-1]
+            print(line.rstrip())
+
+
+def _fold(text: str, width: int) -> list[str]:
+    """Split ``text`` into lines of at most ``width``: between list items (``, ``) when it can, else
+    after dots and spaces, and only a piece longer than the whole column is cut."""
+    lines: list[str] = []
+    line = ""
+    for item in re.split(r"(?<=, )", text):
+        if len((line + item).rstrip()) <= width:
+            line += item
+            continue
+        if line:
+            lines.append(line.rstrip())
+            line = ""
+        for piece in re.split(r"(?<=[ .])", item):
+            if len((line + piece).rstrip()) > width and line:
+                lines.append(line.rstrip())
+                line = ""
+            while len(piece.rstrip()) > width:
+                lines.append(piece[:width])
+                piece = piece[width:]
+            line += piece
+    if line.strip() or not lines:
+        lines.append(line.rstrip())
+    return lines
