@@ -330,19 +330,23 @@ def run_reverse(group: Group, tensors: TensorGroups) -> TensorGroups:
                 f"operation `{shown}` has no `{method}`. Implement `{method}` on it, "
                 "or save the grafted layout with `model.save_pretrained(path, save_original_format=False)`."
             )
-    quantized = [k for ks, ts in zip(group.targets, tensors) for k, t in zip(ks, ts) if _quantized(t)]
-    if ops and quantized:
-        t = next(t for ts in tensors for t in ts if _quantized(t))
+    given = tensors
+    try:
+        target_shapes = [[t.shape for t in g] for g in tensors]
+        inputs = _op_input_shapes(group, target_shapes)
+        for op, shapes in zip(reversed(ops), reversed(inputs)):
+            tensors = op.reverse(tensors, ConversionContext(num_targets=len(shapes), source_shapes=shapes))
+        _check_shapes(group, tensors, group.source_shapes, "save")
+    except (ConversionShapeError, RuntimeError, ValueError, NotImplementedError) as exc:
+        quantized = [(k, t) for ks, ts in zip(group.targets, given) for k, t in zip(ks, ts) if _quantized(t)]
+        if not (ops and quantized):
+            raise
+        key, t = quantized[0]
         raise ConversionShapeError(
-            f"Converter {group.converter!r} cannot write `{quantized[0]}` in the original layout: that tensor "
-            f"is quantized ({type(t).__name__}, {t.dtype}, shape {tuple(t.shape)}), and the reverse operations "
-            f"({', '.join(type(op).__name__ for op in ops)}) would rearrange the quantizer's storage, not the "
-            "weights. Save the grafted layout with `model.save_pretrained(path, save_original_format=False)`, "
-            "or save the model before quantizing it."
-        )
-    target_shapes = [[t.shape for t in g] for g in tensors]
-    inputs = _op_input_shapes(group, target_shapes)
-    for op, shapes in zip(reversed(ops), reversed(inputs)):
-        tensors = op.reverse(tensors, ConversionContext(num_targets=len(shapes), source_shapes=shapes))
-    _check_shapes(group, tensors, group.source_shapes, "save")
+            f"Converter {group.converter!r} cannot write `{key}` in the original layout: that tensor is "
+            f"quantized ({type(t).__name__}, {t.dtype}, shape {tuple(t.shape)}), and the reverse operations "
+            f"({', '.join(type(op).__name__ for op in ops)}) cannot rearrange the quantizer's storage into the "
+            f"original weights ({type(exc).__name__}: {exc}). Save the grafted layout with "
+            "`model.save_pretrained(path, save_original_format=False)`, or save the model before quantizing it."
+        ) from exc
     return tensors
