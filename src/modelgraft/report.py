@@ -203,19 +203,22 @@ def _init_fills(model: torch.nn.Module, param_name: str, cache: dict[tuple[type,
     cache_key = (type(owner), leaf, type(initializer))
     if cache_key in cache:
         return cache[cache_key]
-    probe = copy.deepcopy(owner)  # the init may write children too: never probe the real module
     with torch.no_grad():
-        for tensor in probe.parameters(recurse=False):
-            tensor.fill_(float("nan"))
-            tensor.__dict__.pop("_is_hf_initialized", None)
-        probe.__dict__.pop("_is_hf_initialized", None)
         try:
+            probe = copy.deepcopy(owner)  # the init may write children too: never probe the real module
+            for tensor in probe.parameters(recurse=False):
+                # Only floating tensors can hold the NaN marker; the owner's integer placeholders
+                # (a quantizer's packed weights, int32) keep their values: only `leaf` is judged.
+                if tensor.is_floating_point():
+                    tensor.fill_(float("nan"))
+                tensor.__dict__.pop("_is_hf_initialized", None)
+            probe.__dict__.pop("_is_hf_initialized", None)
             cast(Any, initializer)._init_weights(probe)  # a PreTrainedModel method, untyped on Module
             probed = probe._parameters[leaf]
             assert probed is not None  # the leaf was a parameter of the original owner
             filled = not bool(torch.isnan(probed).all())
-        except Exception:  # an init that cannot handle the module does not fill it either
-            filled = False
+        except Exception:  # a module that cannot be copied or probed, or an init that cannot handle it,
+            filled = False  # is not known to be filled: reported as holding uninitialised memory
     cache[cache_key] = filled
     return filled
 

@@ -128,3 +128,40 @@ def test_strict_from_config_passes_a_clean_graft() -> None:
     with patched({"LlamaMLP": CustomMLP}, strict=True):
         model = AutoModelForCausalLM.from_config(family("llama").config())
     assert len(report(model).replaced) == 2
+
+
+def _with_placeholders(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
+    """``base`` with what a quantizer's placeholder layer has: an int32 packed weight and a float
+    scale, neither in the checkpoint."""
+
+    class WithPlaceholders(base):  # type: ignore[misc, valid-type]
+        def __init__(self, config: object, layer_idx: int) -> None:
+            super().__init__(config, layer_idx)
+            self.weight_packed = torch.nn.Parameter(torch.zeros(4, dtype=torch.int32), requires_grad=False)
+            self.weight_scale = torch.nn.Parameter(torch.empty(4))
+
+    WithPlaceholders.__name__ = f"WithPlaceholders{base.__name__}"
+    return WithPlaceholders
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_missing_keys_beside_integer_placeholders_are_reported_not_a_crash(
+    model_type: str, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """Issue 27 point 4: the weight-init probe filled every parameter of the owner with NaN, and
+    ``fill_(nan)`` on an int32 placeholder raised inside ``from_pretrained``."""
+    from modelgraft.grafts import linear_experts
+
+    fam = family(model_type)
+    attention = type(fam.causal_lm().model.layers[0].self_attn)
+    source = tiny_checkpoint(model_type)
+    with linear_experts(model_type).applied(), patched({attention.__name__: _with_placeholders(attention)}):
+        model = AutoModelForCausalLM.from_pretrained(source)
+    rep = report(model)
+    layers = model.config.num_hidden_layers
+    scales = [f"model.layers.{i}.self_attn.weight_scale" for i in range(layers)]
+    packed = [f"model.layers.{i}.self_attn.weight_packed" for i in range(layers)]
+    assert rep.unloaded_parameters == scales  # nothing filled the float scale
+    assert sorted(rep.not_loaded) == sorted(scales + packed)
+    assert model.model.layers[0].self_attn.weight_packed.dtype == torch.int32
+    assert any("weight_scale" in p for p in rep.problems) and any("weight_packed" in p for p in rep.problems)

@@ -231,3 +231,113 @@ def test_llama4_experts_run_every_expert_on_its_block_whatever_the_setting(
         _same(grafted(**inputs).logits, plain(**inputs).logits)
     assert not calls, calls  # no routed path: every expert runs on its own block
     assert any(type(m).__name__ == "LinearLlama4TextExperts" for m in grafted.modules())
+
+
+class _QuarterRoundedWeight(torch.Tensor):
+    """A fake-quant weight: ``F.linear`` computes with it rounded to quarters (a tensor subclass
+    that ``torch.stack`` would silently turn back into the unrounded weight)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            x, weight, *rest = args
+            with torch._C.DisableTorchFunctionSubclass():
+                return torch.nn.functional.linear(x, torch.round(weight * 4) / 4, *rest, **kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _zeroing_forward(layer: torch.nn.Linear) -> None:
+    """An instance ``forward`` (as compressed-tensors' fake quantization installs) that zeroes the output."""
+    layer.forward = lambda x: torch.zeros(*x.shape[:-1], layer.out_features, dtype=x.dtype)  # type: ignore[method-assign]
+
+
+def _zeroing_hook(layer: torch.nn.Linear) -> None:
+    layer.register_forward_hook(lambda module, args, out: out * 0)
+
+
+def _doubling_pre_hook(layer: torch.nn.Linear) -> None:
+    layer.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+
+
+def _rounded_weight(layer: torch.nn.Linear) -> None:
+    layer.weight = torch.nn.Parameter(
+        layer.weight.detach().mul(40).as_subclass(_QuarterRoundedWeight), requires_grad=False
+    )
+
+
+CHANGES = {
+    "instance_forward": _zeroing_forward,
+    "forward_hook": _zeroing_hook,
+    "forward_pre_hook": _doubling_pre_hook,
+    "tensor_subclass_weight": _rounded_weight,
+}
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("change", CHANGES)
+def test_changed_expert_layers_run_their_own_forward_not_the_grouped_matmul(
+    change: str, model_type: str, checkpoint, calls: dict[str, int]
+) -> None:
+    """Issue 27 point 1: the grouped path stacked ``layer.weight`` of any exact ``nn.Linear``, so an
+    instance forward, a hook or a tensor-subclass weight changed nothing under ``grouped_mm``."""
+    grafted = _load(checkpoint(model_type), model_type).eval()
+    inputs = family(model_type).inputs(grafted.config)
+    with torch.no_grad():
+        untouched = grafted(**inputs).logits
+        for expert in grafted.model.layers[0].mlp.experts:
+            CHANGES[change](expert.down_proj if model_type == "qwen3_moe" else expert.w2)
+        calls.clear()
+        grouped = grafted(**inputs).logits
+        assert calls == {
+            "sorted_forward": 1,
+            "grouped_linear_forward": grafted.config.num_hidden_layers - 1,
+        }, calls
+        grafted.set_experts_implementation("eager")
+        eager = grafted(**inputs).logits
+    _same(grouped, eager)  # each layer's own forward, as the eager per-expert loop runs it
+    # ... and the change took effect: the reference is not the untouched model's logits.
+    assert (grouped - untouched).abs().max() > 1e-3
+    assert torch.equal(grouped.argmax(-1), eager.argmax(-1))
+
+
+@pytest.mark.parametrize(
+    "extra",
+    ["buffer", "parameter", "child", "expert_forward", "backward_hook", "bf16_layer", "linear_subclass"],
+)
+def test_any_expert_layer_beyond_a_plain_linear_leaves_the_grouped_path(
+    extra: str, checkpoint, calls: dict[str, int]
+) -> None:
+    """Quantizers keep scales in buffers or parameters beside ``weight``; such a layer (or an expert
+    with a forward of its own, a backward hook, another dtype) is called as a module."""
+    grafted = _load(checkpoint("qwen3_moe"), "qwen3_moe").eval()
+    inputs = family("qwen3_moe").inputs(grafted.config)
+    expert = grafted.model.layers[0].mlp.experts[0]
+    layer = expert.gate_proj
+    if extra == "buffer":
+        layer.register_buffer("weight_scale", torch.ones(layer.out_features))
+    elif extra == "parameter":
+        layer.register_parameter("weight_zero_point", torch.nn.Parameter(torch.zeros(1), requires_grad=False))
+    elif extra == "child":
+        layer.add_module("observer", torch.nn.Identity())
+    elif extra == "expert_forward":
+        expert.forward = expert.forward  # type: ignore[method-assign]  # an instance attribute now
+    elif extra == "backward_hook":
+        layer.register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    elif extra == "bf16_layer":
+        layer.to(torch.bfloat16)
+    else:
+
+        class Subclass(torch.nn.Linear):
+            pass
+
+        layer.__class__ = Subclass
+    calls.clear()
+    with torch.no_grad():
+        if extra == "bf16_layer":  # its own forward refuses float32 inputs: not silently cast
+            with pytest.raises(RuntimeError):
+                grafted(**inputs)
+        else:
+            grafted(**inputs)
+    assert calls.get("sorted_forward") == 1, calls
+    assert calls.get("grouped_linear_forward", 0) <= grafted.config.num_hidden_layers - 1, calls

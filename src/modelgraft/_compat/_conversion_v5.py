@@ -134,8 +134,11 @@ def _quantizing_placer(model: Any, quantizer: Any, loading_info: Any) -> Any:
     def place(key: str, tensor: torch.Tensor) -> bool:
         if not quantizer.param_needs_quantization(model, key):
             return False
+        # A list of one tensor per key, as transformers' loading loop hands a renamed weight: some
+        # quantize ops read `value[0]` unconditionally (quanto, EETQ, FBGEMM FP8, FP-Quant), and on
+        # a bare tensor that is its first row ("1D Tensors cannot be quantized per-axis").
         realized = quantizer.get_quantize_ops().convert(
-            {key: tensor},
+            {key: [tensor]},
             source_patterns=[key],
             target_patterns=[key],
             full_layer_name=key,

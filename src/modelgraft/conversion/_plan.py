@@ -272,6 +272,11 @@ def _check_shapes(
     for names, ts, shapes in zip(keys, tensors, expected):
         for key, t, shape in zip(names, ts, shapes):
             if tuple(t.shape) != tuple(shape):
+                if where == "save" and not group.converter.operations and _quantized(t):
+                    # A renaming writes the tensor as it is, under its checkpoint name, as
+                    # transformers writes a quantized model's renamed tensors: a quantizer's packed
+                    # storage (bitsandbytes 4-bit: (N, 1) uint8) is not the float shape, nor need be.
+                    continue
                 origin = ""
                 if where == "load":
                     shown = ", ".join(
@@ -285,6 +290,12 @@ def _check_shapes(
                     f"{'model parameter' if where == 'load' else 'original checkpoint key'} has shape "
                     f"{tuple(shape)}{origin}. Check the operations' dims, or the replacement module's sizes."
                 )
+
+
+def _quantized(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a quantizer's storage rather than a plain float weight: integer packed
+    data, or a tensor subclass (bitsandbytes' ``Params4bit``, quanto's ``QTensor``, torchao's)."""
+    return not tensor.is_floating_point() or type(tensor) not in (torch.Tensor, torch.nn.Parameter)
 
 
 def _op_input_shapes(group: Group, target_shapes: ShapeGroups) -> list[ShapeGroups]:
@@ -319,9 +330,23 @@ def run_reverse(group: Group, tensors: TensorGroups) -> TensorGroups:
                 f"operation `{shown}` has no `{method}`. Implement `{method}` on it, "
                 "or save the grafted layout with `model.save_pretrained(path, save_original_format=False)`."
             )
-    target_shapes = [[t.shape for t in g] for g in tensors]
-    inputs = _op_input_shapes(group, target_shapes)
-    for op, shapes in zip(reversed(ops), reversed(inputs)):
-        tensors = op.reverse(tensors, ConversionContext(num_targets=len(shapes), source_shapes=shapes))
-    _check_shapes(group, tensors, group.source_shapes, "save")
+    given = tensors
+    try:
+        target_shapes = [[t.shape for t in g] for g in tensors]
+        inputs = _op_input_shapes(group, target_shapes)
+        for op, shapes in zip(reversed(ops), reversed(inputs)):
+            tensors = op.reverse(tensors, ConversionContext(num_targets=len(shapes), source_shapes=shapes))
+        _check_shapes(group, tensors, group.source_shapes, "save")
+    except (ConversionShapeError, RuntimeError, ValueError, NotImplementedError) as exc:
+        quantized = [(k, t) for ks, ts in zip(group.targets, given) for k, t in zip(ks, ts) if _quantized(t)]
+        if not (ops and quantized):
+            raise
+        key, t = quantized[0]
+        raise ConversionShapeError(
+            f"Converter {group.converter!r} cannot write `{key}` in the original layout: that tensor is "
+            f"quantized ({type(t).__name__}, {t.dtype}, shape {tuple(t.shape)}), and the reverse operations "
+            f"({', '.join(type(op).__name__ for op in ops)}) cannot rearrange the quantizer's storage into the "
+            f"original weights ({type(exc).__name__}: {exc}). Save the grafted layout with "
+            "`model.save_pretrained(path, save_original_format=False)`, or save the model before quantizing it."
+        ) from exc
     return tensors

@@ -326,13 +326,17 @@ class LinearExpertsBase(nn.ModuleList):
         return out
 
     def _plain_layers(self) -> list[tuple[nn.Linear, nn.Linear, nn.Linear]] | None:
-        """Each expert's (gate, up, down) when all are untouched ``nn.Linear`` layers, else ``None``.
+        """Each expert's (gate, up, down) when the grouped matmul computes exactly what their own
+        forwards do, else ``None``.
 
-        Only then may their weights (and biases) be stacked for a grouped matmul: a wrapped
-        (LoRA), quantized or hooked layer must be called as a module, so that its own computation
-        runs. Every expert must share one activation (``act_fn`` or the family's gate), as built.
+        Stacking the weights bypasses every module call, so it is sound only for untouched layers:
+        each expert exactly a :class:`LinearExpert` and each layer exactly an ``nn.Linear`` (see
+        :func:`_plain_linear`), no module hooks anywhere (global, on the expert or on the layer), and
+        one activation (``act_fn`` or the family's gate) and one dtype and device for every expert.
+        Anything else (a LoRA wrapper, a quantizer's instance ``forward`` or tensor subclass, an
+        observer's hook) is called as a module, so that its own computation runs.
         """
-        if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
+        if _global_hooks():
             return None
         if not len(self):
             return None
@@ -340,27 +344,87 @@ class LinearExpertsBase(nn.ModuleList):
         if not isinstance(first, LinearExpert):
             return None
         act_fn, gate = first.act_fn, first._gate
+        expected = frozenset(self._expert_names)
+        reference: tuple[torch.dtype, torch.device] | None = None
         layers = []
         for expert in self:
             if (
                 type(expert) is not LinearExpert
                 or expert.act_fn is not act_fn
                 or expert._gate is not gate
-                or _hooked(expert)
+                or not _untouched(expert)
+                or expert._parameters
+                or expert._buffers
             ):
                 return None
             found = tuple(expert._modules.get(name) for name in self._expert_names)
-            if any(
-                type(layer) is not nn.Linear or (layer.bias is not None) != self._bias or _hooked(layer)
-                for layer in found
-            ):
+            if not all(_plain_linear(layer, self._bias) for layer in found):
+                return None
+            for layer in cast("tuple[nn.Linear, nn.Linear, nn.Linear]", found):
+                for tensor in (layer.weight, layer.bias):
+                    if tensor is None:
+                        continue
+                    if reference is None:
+                        reference = (tensor.dtype, tensor.device)
+                    elif (tensor.dtype, tensor.device) != reference:
+                        return None  # stacking would promote or fail where each layer computes on its own
+            # Children beyond the three layers and the activation are not called by the expert's
+            # forward, but a changed expert is not the one the fast path was written for.
+            if set(expert._modules) - expected - {"act_fn"}:
                 return None
             layers.append(found)
         return layers  # type: ignore[return-value]
 
 
-def _hooked(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks)
+#: ``nn.Linear.forward`` as torch defines it, to notice a class-level replacement (a toolkit
+#: patching ``nn.Linear`` itself): the grouped matmul computes only what this forward computes.
+_LINEAR_FORWARD = nn.Linear.forward
+#: The weight types whose ``F.linear`` is the plain matmul that ``torch.stack`` + ``grouped_mm``
+#: reproduce; a tensor subclass (torchao's ``Int8Tensor``, a fake-quant wrapper) computes its own.
+_PLAIN_TENSORS = (nn.Parameter, torch.Tensor)
+
+
+def _global_hooks() -> bool:
+    """Whether a hook registered for every module is active (it would see no expert layer call)."""
+    return bool(
+        _torch_module._global_forward_hooks
+        or _torch_module._global_forward_pre_hooks
+        or _torch_module._global_backward_hooks
+        or _torch_module._global_backward_pre_hooks
+    )
+
+
+def _untouched(module: nn.Module) -> bool:
+    """No instance ``forward`` and no forward or backward hooks of its own."""
+    return not (
+        "forward" in module.__dict__
+        or module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+    )
+
+
+def _plain_linear(layer: nn.Module | None, bias: bool) -> bool:
+    """Whether ``layer`` computes exactly ``F.linear(x, weight, bias)`` with plain tensors.
+
+    Exactly ``nn.Linear`` with torch's own ``forward`` (no subclass, no parametrization, no instance
+    ``forward``, no hooks), no children, exactly the parameters ``weight`` (and ``bias`` as the
+    experts were built) of exact type ``nn.Parameter``/``torch.Tensor``, and no buffers (a
+    quantizer's scales or zero points live there).
+    """
+    if type(layer) is not nn.Linear or not _untouched(layer) or type(layer).forward is not _LINEAR_FORWARD:
+        return False
+    if layer._modules or layer._buffers:
+        return False
+    if set(layer._parameters) != {"weight", "bias"}:
+        return False
+    weight, layer_bias = layer._parameters["weight"], layer._parameters["bias"]
+    if weight is None or type(weight) not in _PLAIN_TENSORS or weight.dim() != 2:
+        return False
+    if (layer_bias is not None) != bias:
+        return False
+    return layer_bias is None or (type(layer_bias) in _PLAIN_TENSORS and layer_bias.dim() == 1)
 
 
 def stacked_problem(experts: nn.Module, layout: StackedLayout) -> str | None:

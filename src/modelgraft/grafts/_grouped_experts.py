@@ -7,11 +7,14 @@ transformers 5 runs its fused experts with the kernel named by ``config._experts
 * ``"eager"``: transformers' eager loop (one expert at a time, tokens found with ``where``), in
   the same visiting order, so sums are the eager plain model's.
 * ``"grouped_mm"`` (and no setting): the token-expert pairs are sorted by expert once. When
-  every expert layer is a plain ``nn.Linear`` and torch has a grouped matmul for the device and
+  every expert layer is a plain ``nn.Linear`` (exact class and weight types, no instance
+  ``forward``, hooks, extra parameters or buffers: ``LinearExpertsBase._plain_layers``, so
+  that stacking computes exactly what the layers' own forwards do) and torch has a grouped matmul for the device and
   dtype, the experts' weights are stacked (one copy; the backward hands each layer its own
   gradient) and each projection is ONE ``grouped_mm`` over the sorted pairs, as in the plain
   model; biases (GPT-OSS) are added per sorted row and a family's own gated activation
-  (GPT-OSS's clamped SwiGLU) runs on the gate and up outputs, as transformers' kernel does. Otherwise (a LoRA wrapper, a quantized or hooked layer), each active expert module
+  (GPT-OSS's clamped SwiGLU) runs on the gate and up outputs, as transformers' kernel does.
+  Otherwise (a LoRA wrapper, a quantized layer or weight, a hooked layer), each active expert module
   runs once over its contiguous slice of sorted pairs, so wrappers see their inputs as on any
   ``nn.Linear``. The weighted outputs are summed per token in top-k order, as the plain model does.
 
