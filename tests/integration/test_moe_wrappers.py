@@ -145,7 +145,9 @@ def _training_batch(sequences: torch.Tensor) -> dict[str, torch.Tensor]:
     """The forward a trainer runs on generate's output: prompt + completion, minus the last token."""
     _, prompt_mask = _prompts()
     length = sequences.shape[1] - 1
-    mask = torch.cat([prompt_mask, torch.ones(len(PROMPTS), length - prompt_mask.shape[1], dtype=torch.long)], 1)
+    mask = torch.cat(
+        [prompt_mask, torch.ones(len(PROMPTS), length - prompt_mask.shape[1], dtype=torch.long)], 1
+    )
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     return {"input_ids": sequences[:, :-1], "attention_mask": mask, "position_ids": positions}
 
@@ -184,7 +186,9 @@ def _replayed(model: torch.nn.Module, trace: RoutingTrace, inputs: dict[str, tor
     return logits
 
 
-def _assert_replays(wrapped: torch.nn.Module, trace: RoutingTrace, sequences: torch.Tensor, path: str) -> None:
+def _assert_replays(
+    wrapped: torch.nn.Module, trace: RoutingTrace, sequences: torch.Tensor, path: str
+) -> None:
     """One forward of the wrapper over ``sequences[:, :-1]`` computes what the plain model computes
     with the trace's experts (checked on its experts' inputs), and predicts the tokens generate chose."""
     inputs = _training_batch(sequences)
@@ -237,6 +241,29 @@ def test_trls_unwrap_model_for_generation_records_per_sequence(checkpoint: str) 
     _assert_replays(model, trace, sequences, checkpoint)
 
 
+def test_a_model_compiled_before_the_block_is_forced_inside_and_live_after(checkpoint: str) -> None:
+    """Graphs compiled outside a block must not keep the block's routes, nor skip them."""
+    inputs = _training_batch(_reference(checkpoint)[0])
+    plain, compiled = _load(checkpoint), _compiled(_load(checkpoint))
+    with torch.no_grad():
+        live = compiled(**inputs, use_cache=False).logits  # compiled here, outside any block
+        assert torch.equal(live, plain(**inputs, use_cache=False).logits)
+        with record_routing(plain) as recorded:
+            plain(**inputs, use_cache=False)
+    # other experts than the router's: (id + 1) mod experts keeps each row distinct
+    shifted = recorded._copy(
+        [((t.long() + 1) % recorded.num_experts).to(t.dtype) for t in recorded.layers], recorded.batch_size
+    )
+    forced = _replayed(compiled, shifted, inputs)
+    assert torch.equal(forced, _replayed(plain, shifted, inputs))
+    assert not torch.equal(forced, live)
+    with torch.no_grad():
+        assert torch.equal(compiled(**inputs, use_cache=False).logits, live)
+    with record_routing(compiled) as again, torch.no_grad():
+        compiled(**inputs, use_cache=False)
+    _assert_same_routes(again, recorded)
+
+
 # ---- a trace without a batch layout -------------------------------------------------------------------
 def test_a_trace_without_batch_layout_is_refused_for_a_batched_forward(checkpoint: str) -> None:
     """Two forwards of other lengths concatenate in call order: no batched forward has that layout."""
@@ -255,7 +282,7 @@ def test_a_trace_without_batch_layout_is_refused_for_a_batched_forward(checkpoin
     with record_routing(model) as trace, torch.no_grad():
         model(input_ids=ids[:2, :3], use_cache=False)  # 6 rows
         model(input_ids=ids[2:, :2], use_cache=False)  # 2 rows
-    with pytest.raises(RoutingError, match=r"no batch layout.*2 sequences of 4 positions"):
+    with pytest.raises(RoutingError, match=r"no batch layout.*2 sequences of 4 positions.*batch_size=2"):
         with replay_routing(model, trace), torch.no_grad():
             model(input_ids=ids[:2, :4], use_cache=False)
 

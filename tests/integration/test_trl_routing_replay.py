@@ -126,7 +126,9 @@ def test_peft_policy_with_trls_generate_replays_exactly(checkpoints: dict[str, s
     assert len(rollouts) == 8
     checked, _ = th.check_training_forwards(policy, rollouts)
     assert checked > 0
-    assert len([f for f in policy.forwards if f["phase"] == "train"]) == 2 + 4
+    # old-policy and reference log-probs (the same model, adapters off) in 2 chunks of 4 each, then 4
+    # policy forwards: every one of them got the rollout's experts
+    assert len([f for f in policy.forwards if f["phase"] == "train"]) == 2 + 2 + 4
     policy.close()
 
 

@@ -223,7 +223,11 @@ def _batch_guard(session: ReplaySession, site: _Site) -> Any:
     trace of 2 sequences of 6 have the same 12 rows, in another layout)."""
 
     def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if torch.compiler.is_compiling() or active_sites().get(id(site.layer.scope)) is not site or in_backward():
+        if (
+            torch.compiler.is_compiling()
+            or active_sites().get(id(site.layer.scope)) is not site
+            or in_backward()
+        ):
             return  # traced by torch.compile (checked outside the graph), another thread's forward, a recompute
         rows = session._active or session._whole
         batch, seq = input_shape(args, kwargs)
@@ -231,13 +235,16 @@ def _batch_guard(session: ReplaySession, site: _Site) -> Any:
             return
         total = int(rows.forced[0].shape[0]) if rows.forced else 0
         if rows.batch_size is None:
-            if batch > 1 and session.trace is not None:
+            # Rows of several forwards in call order (or a trace built without a layout) that happen to
+            # number batch x seq would be taken for this batch's row-major layout, silently. A trace
+            # whose rows are not batch x seq (a family routing only some tokens) is checked per layer.
+            if batch > 1 and seq is not None and total == batch * seq and session.trace is not None:
                 raise RoutingError(
                     f"The replayed trace has no batch layout (`batch_size=None`: its {total} rows per layer are "
-                    "forwards concatenated in call order, e.g. forwards of several lengths recorded in one block), "
-                    f"but this forward of `{type(module).__name__}` has {batch} sequences of {seq} positions: the "
-                    "rows would go to other tokens. Record the batch in one forward (or one `generate`) per "
-                    "`record_routing` block, or replay each recorded forward with its own trace."
+                    "in call order, e.g. several forwards recorded in one block), but this forward of "
+                    f"`{type(module).__name__}` has {batch} sequences of {seq} positions: the rows could belong to "
+                    "other tokens. Record the batch in one forward (or one `generate`) per `record_routing` block; "
+                    f"if the rows are this batch's, row-major, give the trace `batch_size={batch}`."
                 )
             return
         if batch == rows.batch_size:
