@@ -8,7 +8,7 @@ wrapped model computes what the plain one does), the same shapes, and the expert
 replayed forward. A trace that has no batch layout is refused for a batched forward.
 
 Wrappers: PEFT's ``PeftModel`` and its ``LoraModel``, ``torch.compile``'s ``OptimizedModule``
-(backend ``eager``), DistributedDataParallel on a one-process gloo group, accelerate's prepared
+(backend ``eager``), DistributedDataParallel and FSDP on a one-process gloo group, accelerate's prepared
 model and TRL's ``unwrap_model_for_generation``, and stacks of them.
 """
 
@@ -94,6 +94,12 @@ def _ddp(model: torch.nn.Module) -> torch.nn.Module:
     return torch.nn.parallel.DistributedDataParallel(model)
 
 
+def _fsdp(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+
+
 def _accelerate(model: torch.nn.Module) -> torch.nn.Module:
     from accelerate import Accelerator
 
@@ -105,11 +111,12 @@ WRAPPERS: dict[str, Callable[[torch.nn.Module], torch.nn.Module]] = {
     "lora_model": _lora_model,
     "compile": _compiled,
     "ddp": _ddp,
+    "fsdp": _fsdp,
     "accelerate": _accelerate,
     "compile(peft)": lambda m: _compiled(_peft(m)),
     "ddp(peft)": lambda m: _ddp(_peft(m)),
 }
-NEEDS_GLOO = {"ddp", "ddp(peft)"}
+NEEDS_GLOO = {"ddp", "ddp(peft)", "fsdp"}
 
 
 def _wrap(name: str, model: torch.nn.Module, request: pytest.FixtureRequest) -> torch.nn.Module:
@@ -127,9 +134,12 @@ def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _generate(model: Any) -> torch.Tensor:
-    """``model.generate``; a DDP wrapper has none: its ``.module``'s, as users call it."""
+    """``model.generate``; DDP and FSDP wrappers have none: their ``.module``'s, as users call it."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
     ids, mask = _prompts()
-    generating = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    ddp = (torch.nn.parallel.DistributedDataParallel, FullyShardedDataParallel)
+    generating = model.module if isinstance(model, ddp) else model
     out = generating.generate(
         input_ids=ids,
         attention_mask=mask,
