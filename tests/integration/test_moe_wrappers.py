@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM
 from families import family_params
 from modelgraft import RoutingError
 from modelgraft.moe import RoutingTrace, moe_layers, record_routing, replay_routing
+from modelgraft.moe._layers import wrapper_chain
 
 peft = pytest.importorskip("peft")
 
@@ -171,6 +172,14 @@ def _reference(path: str) -> tuple[torch.Tensor, RoutingTrace]:
     return sequences, trace
 
 
+def _shifted(trace: RoutingTrace) -> RoutingTrace:
+    """Other experts than the router's ((id + 1) mod experts keeps each row distinct): a replay that
+    did not force them would be seen."""
+    return trace._copy(
+        [((t.long() + 1) % trace.num_experts).to(t.dtype) for t in trace.layers], trace.batch_size
+    )
+
+
 def _assert_same_routes(got: RoutingTrace, expected: RoutingTrace) -> None:
     assert got.batch_size == expected.batch_size
     assert got.layer_names == expected.layer_names
@@ -260,10 +269,7 @@ def test_a_model_compiled_before_the_block_is_forced_inside_and_live_after(check
         assert torch.equal(live, plain(**inputs, use_cache=False).logits)
         with record_routing(plain) as recorded:
             plain(**inputs, use_cache=False)
-    # other experts than the router's: (id + 1) mod experts keeps each row distinct
-    shifted = recorded._copy(
-        [((t.long() + 1) % recorded.num_experts).to(t.dtype) for t in recorded.layers], recorded.batch_size
-    )
+    shifted = _shifted(recorded)
     forced = _replayed(compiled, shifted, inputs)
     assert torch.equal(forced, _replayed(plain, shifted, inputs))
     assert not torch.equal(forced, live)
@@ -298,7 +304,20 @@ def test_a_trace_without_batch_layout_is_refused_for_a_batched_forward(checkpoin
 
 
 # ---- drawn combinations -------------------------------------------------------------------------------
-ENTRY_POINTS = ["forward", "generate", "micro_batch"]
+#: ``two_forwards`` records the batch as two forwards (call order, no batch layout): refused.
+ENTRY_POINTS = ["forward", "generate", "micro_batch", "train_step", "two_forwards"]
+
+
+def _train_step(model: torch.nn.Module, trace: RoutingTrace, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A trainer's step under replay: training mode, gradient checkpointing, loss and backward inside
+    the block (the recompute routes again); returns the logits."""
+    inner = wrapper_chain(model)[-1]
+    inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    with replay_routing(model, trace):
+        logits = model(**inputs, use_cache=False).logits
+        logits.float().logsumexp(-1).mean().backward()
+    return logits.detach()
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
@@ -321,12 +340,27 @@ def test_drawn_wrappers_and_entry_points_are_exact_or_refused(
     with record_routing(recorder) as trace, torch.no_grad():
         if entry == "generate":
             assert torch.equal(_generate(recorder), sequences)
+        elif entry == "two_forwards":
+            recorder(**{k: v[:1] for k, v in inputs.items()}, use_cache=False)
+            recorder(**{k: v[1:] for k, v in inputs.items()}, use_cache=False)
         else:
             recorder(**inputs, use_cache=False)
+    if entry == "two_forwards":
+        assert trace.batch_size is None
+        replayer = wrap(replay_wrapper)
+        with pytest.raises(RoutingError, match=r"no batch layout"):
+            with replay_routing(replayer, trace), torch.no_grad():
+                replayer(**inputs, use_cache=False)
+        return
     if entry == "generate":
         _assert_same_routes(trace, expected)
     assert trace.batch_size == len(PROMPTS)
+    trace = _shifted(trace)
     replayer, plain = wrap(replay_wrapper), _load(checkpoint)
+    if entry == "train_step":
+        got, want = _train_step(replayer, trace, inputs), _train_step(plain, trace, inputs)
+        assert torch.isfinite(got).all() and torch.equal(got, want)
+        return
     if entry != "micro_batch":
         assert torch.equal(_replayed(replayer, trace, inputs), _replayed(plain, trace, inputs))
         return
