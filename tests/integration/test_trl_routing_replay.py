@@ -111,6 +111,27 @@ def test_hf_generate_routes_are_replayed_in_every_training_forward(
     ref.close()
 
 
+def test_peft_policy_with_trls_generate_replays_exactly(checkpoints: dict[str, str], tmp_path: Path) -> None:
+    """``peft_config=...`` (issue 28, point 5): TRL generates through the ``PeftModel`` (its
+    ``unwrap_model_for_generation``), the inner model runs; the rollout's routes are laid out per
+    sequence and every training forward (LoRA weights moving) replays them."""
+    from peft import LoraConfig
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    trainer = _trainer(RoutingReplayGRPOTrainer, checkpoints["qwen3_moe"], tmp_path, peft_config=config)
+    assert type(trainer.model).__name__.startswith("PeftModel")
+    policy = th.RolloutSpy(trainer.model.get_base_model())
+    trainer.train()
+    rollouts = policy.generate_rollouts()
+    assert len(rollouts) == 8
+    checked, _ = th.check_training_forwards(policy, rollouts)
+    assert checked > 0
+    # old-policy and reference log-probs (the same model, adapters off) in 2 chunks of 4 each, then 4
+    # policy forwards: every one of them got the rollout's experts
+    assert len([f for f in policy.forwards if f["phase"] == "train"]) == 2 + 2 + 4
+    policy.close()
+
+
 def test_without_replay_the_same_check_sees_live_routing(checkpoints: dict[str, str], tmp_path: Path) -> None:
     """The check can fail: off, the second iteration's forwards (weights moved) route some tokens otherwise."""
     trainer = _trainer(RoutingReplayGRPOTrainer, checkpoints["qwen3_moe"], tmp_path, routing_replay=False)

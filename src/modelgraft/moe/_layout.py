@@ -100,20 +100,31 @@ def _per_sequence(chunks: list[torch.Tensor], shapes: list[tuple[int, int]]) -> 
 
 
 class ForwardLog:
-    """Hooks on the recorded model that log its forwards and wrap its ``generate``; a context manager."""
+    """Hooks that log the forwards of the recorded model and wrap its ``generate``; a context manager.
 
-    def __init__(self, model: nn.Module, sites: list[_Site]) -> None:
-        self.model = model
+    ``chain`` is the model given to ``record_routing`` and the modules it wraps, down to the model
+    owning the MoE layers (:func:`~modelgraft.moe._layers.wrapper_chain`). Every module of the chain
+    is hooked, and a forward is logged once, by the outermost module it entered: a wrapper's forward
+    runs the inner model's, while ``generate`` (a method of the inner model, reached through
+    ``PeftModel.generate``, ``OptimizedModule.__getattr__`` or ``ddp.module``) runs the inner model
+    alone. ``generate`` is wrapped on the inner model, where it runs whoever called it.
+    """
+
+    def __init__(self, chain: list[nn.Module], sites: list[_Site]) -> None:
+        self.chain = chain
+        self.model = chain[-1]
         self.sites = sites
         self.forwards: list[_Forward] = []
         self.sessions: list[_Session] = []
         self._handles: list[Any] = []
         self._generate_before: Any = None
         self._wrapped = False
+        self._depth = 0  # owned forwards of chain modules entered and not yet left
 
     def __enter__(self) -> ForwardLog:
-        self._handles.append(self.model.register_forward_pre_hook(self._pre, with_kwargs=True))
-        self._handles.append(self.model.register_forward_hook(self._post, with_kwargs=True, always_call=True))
+        for module in self.chain:
+            self._handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post, with_kwargs=True, always_call=True))
         if callable(getattr(self.model, "generate", None)):
             self._wrap_generate()
         return self
@@ -138,8 +149,11 @@ class ForwardLog:
         return [len(site.recorded or ()) for site in self.sites]
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[Any, Any]) -> None:
-        if not self._owned():
-            return
+        if torch.compiler.is_compiling() or not self._owned():
+            return  # traced by torch.compile: the wrapper's hook, outside the graph, logged it
+        self._depth += 1
+        if self._depth > 1:
+            return  # the inner model of a wrapper whose forward was logged
         batch, seq = input_shape(args, kwargs)
         forward = _Forward(len(self.forwards) + 1, batch, seq, past_length(kwargs), self._recorded())
         if forward.past == 0:
@@ -152,7 +166,10 @@ class ForwardLog:
         self.forwards.append(forward)
 
     def _post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[Any, Any], output: Any) -> None:
-        if not self._owned():
+        if torch.compiler.is_compiling() or not self._owned():
+            return
+        self._depth -= 1
+        if self._depth > 0:
             return
         if self.forwards and self.forwards[-1].ends is None:
             self.forwards[-1].ends = self._recorded()

@@ -36,7 +36,7 @@ from modelgraft.errors import RoutingError
 from modelgraft.moe._discovery import MoELayer
 from modelgraft.moe._ids import compact_dtype, is_id_dtype, missing_rows, widen
 from modelgraft.moe._intercept import _Site, active_sites, hook_scope, in_backward, unhook_scope
-from modelgraft.moe._layers import moe_layers
+from modelgraft.moe._layers import moe_layers, wrapper_chain
 from modelgraft.moe._layout import ForwardLog, input_shape, past_length
 from modelgraft.moe._packed import guard_packed_forwards
 from modelgraft.moe._session import ReplaySession, rows_of
@@ -80,8 +80,14 @@ def record_routing(model: nn.Module) -> Iterator[RoutingTrace]:
 
     Forwards recomputed by gradient checkpointing during backward are not recorded twice.
 
+    Through a wrapper (PEFT's ``PeftModel``, ``torch.compile``, DDP, FSDP, accelerate's prepared
+    model, TRL's ``unwrap_model_for_generation``) the model owning the MoE layers is found and
+    hooked, so ``wrapper.generate(...)`` (or ``ddp.module.generate(...)``) is laid out per sequence
+    too, and layer names are the inner model's: the trace replays on the plain model and on any
+    wrapper of it.
+
     Args:
-        model: a transformers MoE model (any family of the installed version).
+        model: a transformers MoE model (any family of the installed version), or a wrapper of one.
 
     Yields:
         The trace, complete after the block.
@@ -91,7 +97,9 @@ def record_routing(model: nn.Module) -> Iterator[RoutingTrace]:
             that cannot be told apart; a forward continues a KV cache that the block's previous forward
             did not end; ``generate`` with beam search, assisted decoding or ``use_cache=False``.
     """
-    layers = moe_layers(model)
+    chain = wrapper_chain(model)
+    owner = chain[-1]
+    layers = moe_layers(owner)
     sites = [_Site(layer) for layer in layers]
     for site in sites:
         site.recorded = []
@@ -100,9 +108,9 @@ def record_routing(model: nn.Module) -> Iterator[RoutingTrace]:
         [],
         top_k=layers[0].top_k,
         num_experts=layers[0].num_experts,
-        model_type=_model_type(model),
+        model_type=_model_type(owner),
     )
-    log = ForwardLog(model, sites)
+    log = ForwardLog(chain, sites)
     with _hooked(sites), log:
         yield trace
     recorded, trace.batch_size = log.layout()
@@ -215,13 +223,32 @@ def _batch_guard(session: ReplaySession, site: _Site) -> Any:
     trace of 2 sequences of 6 have the same 12 rows, in another layout)."""
 
     def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if active_sites().get(id(site.layer.scope)) is not site or in_backward():
-            return  # another thread's forward, or a recompute
+        if (
+            torch.compiler.is_compiling()
+            or active_sites().get(id(site.layer.scope)) is not site
+            or in_backward()
+        ):
+            return  # traced by torch.compile (checked outside the graph), another thread's forward, a recompute
         rows = session._active or session._whole
         batch, seq = input_shape(args, kwargs)
-        if rows.batch_size is None or batch is None or batch == rows.batch_size or past_length(kwargs):
+        if batch is None or past_length(kwargs):
             return
         total = int(rows.forced[0].shape[0]) if rows.forced else 0
+        if rows.batch_size is None:
+            # Rows of several forwards in call order (or a trace built without a layout) that happen to
+            # number batch x seq would be taken for this batch's row-major layout, silently. A trace
+            # whose rows are not batch x seq (a family routing only some tokens) is checked per layer.
+            if batch > 1 and seq is not None and total == batch * seq and session.trace is not None:
+                raise RoutingError(
+                    f"The replayed trace has no batch layout (`batch_size=None`: its {total} rows per layer are "
+                    "in call order, e.g. several forwards recorded in one block), but this forward of "
+                    f"`{type(module).__name__}` has {batch} sequences of {seq} positions: the rows could belong to "
+                    "other tokens. Record the batch in one forward (or one `generate`) per `record_routing` block; "
+                    f"if the rows are this batch's, row-major, give the trace `batch_size={batch}`."
+                )
+            return
+        if batch == rows.batch_size:
+            return
         raise RoutingError(
             f"The replayed routing lays out {rows.batch_size} sequences of {total // rows.batch_size} positions, but "
             f"this forward of `{type(module).__name__}` has {batch} sequences of {seq}: the rows would go to other "
@@ -254,7 +281,8 @@ def replay_routing(
     ``use_cache=True``, a cache, or a 2-D attention mask joining packed sequences is refused.
 
     Args:
-        model: the model the routing was recorded on (or one with the same architecture).
+        model: the model the routing was recorded on (or one with the same architecture), or a
+            wrapper of it (``PeftModel``, ``torch.compile``, DDP, ...).
         routing: a :class:`RoutingTrace` or a list with one ``(num_tokens, top_k)`` integer tensor per
             MoE layer, in model order.
         allow_all_zero: accept an MoE layer whose every id is 0. Refused by default: that is what a
@@ -266,12 +294,14 @@ def replay_routing(
     Raises:
         RoutingError: wrong number of layers, top-k, an expert id out of range, a non-integer tensor,
             the same expert twice in one token's row, an all-zero layer (unless ``allow_all_zero``), a
-            token count that does not match the batch (at forward time), experts in more groups than a
+            token count that does not match the batch (at forward time), a trace without batch layout
+            (``batch_size=None``) given to a forward of several sequences (at forward time), experts in more groups than a
             group-limited router keeps (at forward time), a packed forward with a cache or with an
             attention mask joining its sequences (at forward time), or routing left unconsumed when
             the block ends (a layer no forward ran through, or sequences no micro-batch ran).
     """
-    layers = moe_layers(model)
+    chain = wrapper_chain(model)
+    layers = moe_layers(chain[-1])
     tensors, layer_ids = _as_tensors(routing)
     if missing is None:
         missing = routing.missing if isinstance(routing, RoutingTrace) else "refuse"
@@ -284,13 +314,16 @@ def replay_routing(
     session = ReplaySession(model, sites, routing, whole)
     if isinstance(routing, RoutingTrace) and missing != routing.missing:
         session.trace = routing._copy(list(routing.layers), routing.batch_size, missing=missing)
-    packed_guard = guard_packed_forwards(model)
-    guard = model.register_forward_pre_hook(_batch_guard(session, sites[0]), with_kwargs=True)
+    # The checks run on every module of the wrapper chain: a wrapper's forward runs the inner model,
+    # but the inner model may also be called alone (``ddp.module(...)``, inside ``generate``).
+    packed_guard = guard_packed_forwards(chain[-1])
+    guards = [m.register_forward_pre_hook(_batch_guard(session, sites[0]), with_kwargs=True) for m in chain]
     try:
         with _hooked(sites):
             yield session
     finally:
-        guard.remove()
+        for guard in guards:
+            guard.remove()
         packed_guard.remove()
         session.close()
     unused = [site.layer.name for site in sites if not site.consumed]
