@@ -331,6 +331,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     # its config accepts top-1 routing only
     _f("zaya", "moe", where_fused=(LINEAR_EXPERTS,), num_experts_per_tok=1),
+    _f("minicpm5_moe", "moe", where_fused=(LINEAR_EXPERTS,)),
     # BERT-like encoders
     _f("bert", "encoder"),
     _f("roberta", "encoder"),

@@ -181,10 +181,28 @@ def test_forced_experts_outside_the_kept_groups(mask: float) -> None:
 FAMILIES = moe_model_types()
 
 
+#: layer name -> the module holding its experts, filled by `_expert_inputs`.
+holders: dict[str, torch.nn.Module] = {}
+
+
+def _handed_to_experts(holder: torch.nn.Module, routes: torch.Tensor) -> torch.Tensor:
+    """The ids a block hands its experts module for the selected ``routes``: the same ids, except
+    that LongCat-Flash's block (transformers 5.25 on, where its experts module no longer has
+    `total_experts`) sends its zero (identity) experts on as weight-0 dummy ids spread over the
+    routed experts, and adds their identity output itself."""
+    zero = getattr(holder, "zero_expert_num", 0) or 0
+    routed = getattr(holder, "num_routed_experts", None)
+    if zero and routed is not None and not hasattr(getattr(holder, "experts", None), "total_experts"):
+        dummy = (routes - routed) * routed // zero
+        return torch.where(routes >= routed, dummy, routes)
+    return routes
+
+
 def _expert_inputs(model: torch.nn.Module) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor]], list]:
     """Hook each experts module to see the (indices, weights) it is given, where its call shows them."""
     seen: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     handles = []
+    holders.clear()
     for layer in moe_layers(model):
         parent = layer.scope if layer.scope is not layer.router else None
         holder = parent if parent is not None else _parent_of(model, layer.name)
@@ -193,6 +211,8 @@ def _expert_inputs(model: torch.nn.Module) -> tuple[list[tuple[str, torch.Tensor
         ]
         if not experts:
             continue
+
+        holders[layer.name] = holder
 
         def hook(module, args, kwargs, k=layer.top_k, name=layer.name):
             tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
@@ -300,7 +320,10 @@ def test_replay_contract(model_type: str, selections: dict) -> None:
         assert torch.equal(idx_b, routes) and torch.equal(idx_a, routes), layer.name
         assert not torch.equal(score_a, score_b), layer.name
     if before:  # the family's experts module shows the indices and weights it receives
-        routes_of = {layer.name: routes for layer, routes in zip(layers, trace)}
+        routes_of = {
+            layer.name: _handed_to_experts(holders[layer.name], routes)
+            for layer, routes in zip(layers, trace)
+        }
         weights_before = {name: w for name, _, w in before}
         assert len(after) == len(before)
         for (name, idx_b, _), (name_a, idx_a, w_a) in zip(before, after):

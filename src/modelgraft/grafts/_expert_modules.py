@@ -141,8 +141,20 @@ def _family_gate(experts: nn.Module, layout: ExpertLayout) -> FamilyGate | None:
     return FamilyGate(function, settings, layout.interleaved)
 
 
+#: Experts classes refused by name, whatever the release declares about their storage: the reason.
+#: LongCat-Flash's router also picks zero (identity) experts beyond the routed ones, which its block
+#: (5.25 on) or its experts module (earlier) handles itself; per-expert layers are not proven for it.
+_REFUSED_CLASSES = {
+    "LongcatFlashExperts": "its router also selects zero (identity) experts past the routed ones, "
+    "which the per-expert layers are not proven exact for",
+}
+
+
 def layout_problem(experts: nn.Module) -> str | None:
     """Why ``experts`` cannot become per-expert linear layers (``None`` when it can)."""
+    refused = _REFUSED_CLASSES.get(type(experts).__name__)
+    if refused is not None:
+        return refused
     layout = layout_of(experts)
     gate_up = getattr(experts, "gate_up_proj", None)
     down = getattr(experts, "down_proj", None)
