@@ -57,19 +57,7 @@ def test_supported_versions_pass(version: str) -> None:
 
 @pytest.mark.parametrize(
     "version",
-    [
-        "4.56.0",
-        "4.56.2",
-        "4.58.0",
-        "4.46.3",
-        "3.5.1",
-        "5.0.0",
-        "5.0.0rc1",
-        "5.5.4",
-        "5.15.1",
-        "6.0.0",
-        "6.0.0.dev0",
-    ],
+    ["4.56.0", "4.56.2", "4.58.0", "4.46.3", "3.5.1", "5.0.0", "5.0.0rc1", "5.5.4", "5.15.1", "6.0.0", "6.0.0.dev0"],
 )
 def test_unsupported_versions_raise_with_the_supported_ranges(version: str) -> None:
     with pytest.raises(
