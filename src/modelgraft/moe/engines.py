@@ -74,8 +74,8 @@ def layout_requests(
             treats them as out-of-range ids.
 
     Returns:
-        A trace with ``batch * seq`` rows per layer, row-major over the batch, ``batch_size`` set
-        and ids in :func:`~modelgraft.moe.compact_dtype`.
+        A trace with ``batch * seq`` rows per layer, row-major over the batch, ``batch_size`` set,
+        ids in :func:`~modelgraft.moe.compact_dtype` and ``routed`` False on the padding rows (filler).
 
     Example:
         >>> import torch
@@ -126,6 +126,7 @@ def layout_requests(
         model_type=model_type,
         batch_size=batch,
         missing=missing,
+        routed=mask.reshape(-1).cpu(),  # padding rows hold filler ids, no router chose them
     )
 
 
@@ -225,7 +226,9 @@ def from_vllm(
 
     Returns:
         A :class:`RoutingTrace` with ``batch * seq`` rows per MoE layer, ``batch_size`` set and ids
-        in :func:`~modelgraft.moe.compact_dtype`, ready for ``replay_routing``.
+        in :func:`~modelgraft.moe.compact_dtype`, ready for ``replay_routing``. Its ``routed`` is
+        False on the rows the engine did not route (padding, each request's last token): filler
+        that ``compare_routing`` skips.
 
     Raises:
         RoutingError: a row count that is neither ``num_tokens`` nor ``num_tokens - 1``, a token
@@ -333,6 +336,7 @@ def _assemble(
         _refuse_all_zero_layers(selected, ids)
     exempt = _all_zero_layers(selected) if allow_all_zero else None
     laid_out = []
+    filled = []  # requests whose last token got the filler (the engine never forwarded it)
     gaps = False
     for i, (request, arr) in enumerate(zip(requests, selected)):
         tokens, sent = int(mask[i].sum()), arr.shape[0]
@@ -362,9 +366,16 @@ def _assemble(
             # filler ordinals so it does not repeat the pad rows' experts.
             fill = _fill(-1 - i, 1, arr.shape[2], experts).unsqueeze(1).expand(1, arr.shape[1], -1)
             routed = torch.cat([routed, fill.to(routed.dtype)])
+            filled.append(i)
         laid_out.append(routed)
     policy = "live" if gaps else missing
-    return layout_requests(laid_out, mask, experts, layer_ids=ids, model_type=model_type, missing=policy)
+    trace = layout_requests(laid_out, mask, experts, layer_ids=ids, model_type=model_type, missing=policy)
+    if not filled:
+        return trace
+    flags = mask.clone().cpu()
+    for i in filled:
+        flags[i, int(flags[i].nonzero()[-1])] = False  # the request's last real position
+    return trace._copy(trace.layers, trace.batch_size, routed=flags.reshape(-1))
 
 
 def _place(request: Request) -> torch.Tensor:
