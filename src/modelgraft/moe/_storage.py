@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from modelgraft.errors import RoutingError
+from modelgraft.errors import RoutingError, RoutingFileError
 from modelgraft.moe._ids import MISSING_POLICIES, is_id_dtype, missing_rows, to_compact, widen
 
 if TYPE_CHECKING:  # the trace imports this module to save and load itself
@@ -94,13 +94,27 @@ def load_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
     from safetensors import SafetensorError, safe_open
 
     try:
-        with safe_open(os.fspath(path), framework="pt") as handle:
+        where = os.fspath(path)
+    except TypeError:
+        raise RoutingError(
+            f"A routing trace is loaded from a path (`str` or `os.PathLike`); got `{type(path).__name__}`."
+        ) from None
+    # Before safetensors opens it: a folder is "No such device (os error 19)" there, and a missing
+    # file its own FileNotFoundError; both are paths that hold no trace.
+    if os.path.isdir(where):
+        raise RoutingFileError(
+            f"`{path}` is a folder, not a routing trace file; pass the `.safetensors` file `RoutingTrace.save` wrote."
+        )
+    if not os.path.exists(where):
+        raise RoutingFileError(
+            f"`{path}` does not exist; pass the path of a routing trace written by `RoutingTrace.save`."
+        )
+    try:
+        with safe_open(where, framework="pt") as handle:
             return _read(path, handle.metadata() or {}, list(handle.keys()), handle.get_tensor)
     except RoutingError:
         raise
     except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as exc:
-        if isinstance(exc, FileNotFoundError):
-            raise
         raise RoutingError(
             f"`{path}` cannot be read as safetensors ({type(exc).__name__}: {exc}); write it with "
             "`RoutingTrace.save`."

@@ -514,6 +514,8 @@ class RoutingTrace:
         trace's ``missing`` policy is ``"live"``).
 
         Raises:
+            RoutingFileError: ``path`` does not exist or is a folder (a ``RoutingError`` and a
+                ``FileNotFoundError``).
             RoutingError: the file is not a routing trace or any of the above does not hold.
         """
         from modelgraft.moe._storage import load_trace
