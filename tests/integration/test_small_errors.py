@@ -128,9 +128,36 @@ class TinyQK(PreTrainedModel):
         pass
 
 
-def test_transformers_split_in_a_porting_converter_is_sized_from_the_target_parameters(tmp_path) -> None:
-    from transformers.core_model_loading import Split
+class SplitLikeTransformers:
+    """A user operation written for transformers' protocol as its ``Split`` is (4.57 has no such module)."""
 
+    def __init__(self, dim: int = 0) -> None:
+        self.dim = dim
+
+    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name, model, **kwargs):
+        tensor = next(iter(input_dict.values()))[0]
+        sizes = [
+            model.get_parameter(full_layer_name.replace(target_patterns[0], t)).shape[self.dim]
+            for t in target_patterns
+        ]
+        return dict(zip(target_patterns, torch.split(tensor, sizes, dim=self.dim)))
+
+    @property
+    def reverse_op(self):
+        return porting.Concatenate(self.dim)
+
+
+def _split(which: str):
+    if which == "user":
+        return SplitLikeTransformers
+    return pytest.importorskip("transformers.core_model_loading").Split  # transformers 5.x
+
+
+@pytest.mark.parametrize("which", ["transformers", "user"])
+def test_transformers_split_in_a_porting_converter_is_sized_from_the_target_parameters(
+    tmp_path, which
+) -> None:
+    Split = _split(which)
     torch.manual_seed(0)
     fused = torch.randn(5, 4)
     folder = tmp_path / "ckpt"
@@ -147,13 +174,13 @@ def test_transformers_split_in_a_porting_converter_is_sized_from_the_target_para
     assert set(saved) == {"attn.qk.weight"} and torch.equal(saved["attn.qk.weight"], fused)
 
 
-def test_a_transformers_op_that_reads_the_model_where_none_is_known_is_refused_naming_it() -> None:
-    from transformers.core_model_loading import Split
-
+@pytest.mark.parametrize("which", ["transformers", "user"])
+def test_a_transformers_op_that_reads_the_model_where_none_is_known_is_refused_naming_it(which) -> None:
+    Split = _split(which)
     (op,) = porting.WeightConverter("qk", ["q", "k"], [Split(dim=0)]).operations
-    with pytest.raises(mg.OperationModelError, match=r"`Split`.*model\.get_parameter") as info:
+    with pytest.raises(mg.OperationModelError, match=rf"`{Split.__name__}`.*model\.get_parameter") as info:
         op.convert([[torch.ones(5, 4)]], mg.ConversionContext(num_targets=2))
-    assert "modelgraft.porting.Split" in str(info.value)
+    assert ("modelgraft.porting.Split" in str(info.value)) == (which == "transformers")
     assert isinstance(info.value, AttributeError) and isinstance(info.value, mg.ConversionError)
 
 
