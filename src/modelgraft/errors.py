@@ -25,17 +25,21 @@ __all__ = [
     "IrreversibleConversionError",
     "LossInputError",
     "MissingSourceKeyError",
+    "OperationModelError",
     "PatchRegistrationError",
     "ReplacementTypeError",
     "RoutingError",
+    "RoutingFileError",
     "StrictModeError",
     "TargetError",
+    "TargetTypeError",
     "UnexpectedArgumentError",
     "UnknownModelTypeError",
     "UnsafePatternError",
     "UnsupportedFamilyError",
     "UnsupportedTransformersError",
     "VerifyArgumentError",
+    "WrappedModelError",
 ]
 
 
@@ -67,12 +71,24 @@ class IrreversibleConversionError(ConversionError, NotImplementedError):
     """A conversion has no reverse, so the original layout cannot be written."""
 
 
+class OperationModelError(ConversionError, AttributeError):
+    """An operation written for transformers reads the model (``model.get_parameter``) where
+    modelgraft cannot answer: only the target parameters' shapes are known, on load, to a
+    converter's last operation (an ``AttributeError``, as the ``None`` model gave before)."""
+
+
 class StrictModeError(GraftError, RuntimeError):
     """Strict mode found a problem (dropped weights, uninitialised parameters, unused keys)."""
 
 
 class RoutingError(GraftError, ValueError):
     """MoE routing data does not fit the model (layers, tokens, top-k, expert ids)."""
+
+
+class RoutingFileError(RoutingError, FileNotFoundError):
+    """A routing trace path that does not exist or is a folder (``RoutingTrace.load``, the CLI's
+    ``compare-routing``); a ``RoutingError`` like every other bad trace file, and a
+    ``FileNotFoundError`` as the missing file was before."""
 
 
 class UnsupportedTransformersError(GraftError, ImportError):
@@ -116,8 +132,17 @@ class TargetError(GraftError, ValueError):
     (:func:`modelgraft.verify`, the command line)."""
 
 
+class TargetTypeError(TargetError, TypeError):
+    """A target that is no model type, path or config at all (``verify(42, graft)``)."""
+
+
 class VerifyArgumentError(GraftError, ValueError):
     """An argument of :func:`modelgraft.verify` is out of range: a tolerance that is negative or not finite, a bad seed."""
+
+
+class WrappedModelError(GraftError, TypeError):
+    """A model wrapped by PEFT (``PeftModel``, ``LoraModel``) given where modelgraft needs the model
+    itself (``graft_model``); the message says to graft before wrapping or to pass ``get_base_model()``."""
 
 
 class UnexpectedArgumentError(GraftError, TypeError):

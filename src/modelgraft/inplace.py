@@ -65,7 +65,13 @@ from modelgraft._inplace_state import (
 from modelgraft.conversion._plan import Group, plan_groups, run_convert
 from modelgraft.conversion.save import remember_graft
 from modelgraft.conversion.scopes import Scope, resolve_scopes, scope_for
-from modelgraft.errors import ConversionError, GraftError, GraftStateError, ReplacementTypeError
+from modelgraft.errors import (
+    ConversionError,
+    GraftError,
+    GraftStateError,
+    ReplacementTypeError,
+    WrappedModelError,
+)
 from modelgraft.graft import Graft, as_graft, scope
 from modelgraft.registry import Snapshot
 from modelgraft.report import ConversionRecord, ReplacedModule, report_for
@@ -136,7 +142,10 @@ def graft_model(
         GraftError: a replacement could not be constructed (the model is unchanged).
         GraftStateError: the optimizer's state cannot be moved exactly (sources in different
             groups, or with different entries); the model and the optimizer are unchanged.
+        WrappedModelError: ``model`` is a PEFT wrapper (``PeftModel``, ``LoraModel``): graft the
+            model before wrapping it, or pass ``get_base_model()``.
     """
+    _refuse_peft_wrapper(model)
     graft = as_graft(mapping, conversions)
     with _scope(graft) as snap:
         if not snap:
@@ -167,6 +176,20 @@ def graft_model(
             model, replacements={type(t.original): t.replacement_cls for t in targets}
         )
     return model
+
+
+def _refuse_peft_wrapper(model: object) -> None:
+    """A PEFT wrapper is not the model: its adapters wrap the layers a graft would replace."""
+    cls = type(model)
+    if not cls.__module__.startswith("peft."):
+        return
+    raise WrappedModelError(
+        f"`graft_model` got a PEFT wrapper (`{cls.__name__}` from `{cls.__module__}`), not the model it wraps: "
+        "PEFT's adapter layers sit in place of the modules a graft replaces, and replacing them would drop the "
+        "adapters. Graft the model before wrapping it (`graft_model(model, graft)`, then "
+        "`get_peft_model(model, config)`), or pass `peft_model.get_base_model()` when the graft replaces no "
+        "module that holds an adapter. The model was left unchanged."
+    )
 
 
 def _report(

@@ -52,14 +52,25 @@ def _collect(
     pairs = state.items() if isinstance(state, Mapping) else state
     found: dict[str, torch.Tensor] = {}
     for item in pairs:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+        if not (isinstance(item, tuple) and len(item) == 2):
             raise ConversionError(
                 f"`load_original_state_dict` takes a mapping or an iterable of `(name, tensor)` pairs (what "
                 f"`original_state_dict` yields); got an item of type `{type(item).__name__}`."
             )
         name, tensor = item
+        if not isinstance(name, str):
+            raise ConversionError(
+                f"`load_original_state_dict`: names must be strings; got the name {name!r} of type "
+                f"`{type(name).__name__}`. Pass the checkpoint names as `original_state_dict` yields them "
+                "(`model.layers.0.self_attn.q_proj.weight`)."
+            )
         if not isinstance(tensor, torch.Tensor):
             raise ConversionError(f"`{name}` holds a `{type(tensor).__name__}`, not a tensor.")
+        if tensor.is_meta:
+            raise ConversionError(
+                f"`{name}` is a meta tensor: it has a shape but no values to load. Pass the state of a model "
+                "whose weights are loaded (not one built under `torch.device('meta')` or `init_empty_weights`)."
+            )
         if name in found:
             raise ConversionError(f"`{name}` is given twice; a state holds each name once.")
         found[name] = tensor
@@ -180,7 +191,8 @@ def load_original_state_dict(
         ConversionError: missing or unexpected keys (strict), a shape or dtype that differs from
             the model's checkpoint layout (all listed; nothing is loaded), tied names with
             different values, a conversion that is not a pure rearrangement of elements, sharded
-            (DTensor) parameters, or ``model`` not a ``torch.nn.Module``.
+            (DTensor) parameters, ``model`` not a ``torch.nn.Module``, a name that is not a string,
+            a meta tensor in the state (no values) or in the model (no storage).
 
     Example (a second transformers model from the trainer's policy)::
 
@@ -194,6 +206,13 @@ def load_original_state_dict(
         )
     incoming = _collect(state)
     live = model.state_dict()
+    on_meta = [key for key, tensor in live.items() if tensor.is_meta]
+    if on_meta:
+        raise ConversionError(
+            f"`{on_meta[0]}` of the model is on the meta device ({len(on_meta)} such tensor(s)): it has no storage, "
+            "so nothing can be loaded into it. Materialise the model first (`model.to_empty(device='cpu')`, or "
+            "build it without `torch.device('meta')`), then load."
+        )
     positions = _Positions(live)
     units, revert = _prepare(model, live)
     stand_ins = {k: _meta(v) for k, v in live.items()}

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import os
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -56,7 +57,7 @@ from modelgraft._model_lookup import (
     model_class_for,
     resolve_config,
 )
-from modelgraft.errors import UnexpectedArgumentError, VerifyArgumentError
+from modelgraft.errors import TargetTypeError, UnexpectedArgumentError, VerifyArgumentError
 from modelgraft.graft import Graft, as_graft, scope
 from modelgraft.hooks import unpatched
 from modelgraft.report import report
@@ -165,6 +166,7 @@ def verify(
             is the second argument).
         VerifyArgumentError: a tolerance that is negative or not finite (NaN would pass anything),
             or a seed that is not an int >= 0.
+        TargetTypeError: a target that is none of a model type, a path and a config (``verify(42, graft)``).
         TargetError: a target that does not exist or cannot be read, a model class that is not a
             ``PreTrainedModel`` subclass, or a plain model that cannot be built from the target.
         GraftError: a graft whose keys or replacements are invalid, or grafts that replace one
@@ -172,6 +174,12 @@ def verify(
     """
     if unexpected:
         raise _unexpected(unexpected)
+    if not isinstance(target, (str, os.PathLike, PretrainedConfig)):
+        raise TargetTypeError(
+            f"`verify` takes a model type (`'llama'`), a local checkpoint folder or `config.json` path (a `str` or "
+            f"`Path`), or a `PretrainedConfig`; received `{target!r}` of type `{type(target).__name__}`. Write "
+            "`verify('llama', graft)` or `verify(model.config, graft)`."
+        )
     atol, rtol = _tolerance("atol", atol), _tolerance("rtol", rtol)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise VerifyArgumentError(f"`seed` must be an int >= 0; received `{seed!r}`.")

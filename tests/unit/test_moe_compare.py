@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 
 from modelgraft.errors import RoutingError
-from modelgraft.moe import RoutingTrace, compare_routing
+from modelgraft.moe import RoutingTrace, compare_routing, from_vllm, record_routing
+from moe_families import build_tiny
 
 
 def _trace(*layers: list[list[int]], batch_size: int | None = None) -> RoutingTrace:
@@ -113,3 +114,133 @@ def test_a_token_differs_exactly_when_its_expert_sets_differ(pair: tuple[torch.T
     assert result.mismatched == [len(naive)] and result.compared == [a.shape[0]]
     shared = [len(set(a[i].tolist()) & set(b[i].tolist())) / a.shape[1] for i in range(a.shape[0])]
     assert result.overlap[0] == pytest.approx(sum(shared) / len(shared))
+
+
+# ---- issue 28 point 4: rows no model routed, masks of the wrong shape or dtype, nothing compared ---
+LENGTHS = [5, 3]  # tokens per sequence, right-padded to 5
+
+
+@pytest.fixture(scope="module")
+def recorded() -> tuple[torch.nn.Module, RoutingTrace, torch.Tensor]:
+    """A tiny MoE model, its own routing of a right-padded batch, and that batch's mask."""
+    model = build_tiny("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[0])
+    width = max(LENGTHS)
+    mask = torch.tensor([[1] * n + [0] * (width - n) for n in LENGTHS])
+    ids = torch.arange(1, 1 + mask.numel()).reshape(mask.shape) % 50 + 1
+    with torch.no_grad(), record_routing(model) as trace:
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+    return model, trace, mask
+
+
+def _engine_of(trace: RoutingTrace, mask: torch.Tensor) -> list[torch.Tensor]:
+    """What vLLM returns for the same routing: per request its real rows but the last token's."""
+    width = mask.shape[1]
+    grids = [t.long().reshape(-1, width, t.shape[1]) for t in trace.layers]
+    out = []
+    for row, n in enumerate(mask.sum(-1).tolist()):
+        out.append(torch.stack([grid[row, : n - 1] for grid in grids], dim=1))  # (n - 1, moe layers, k)
+    return out
+
+
+def test_identical_routings_are_exact_although_the_engine_trace_fills_rows(recorded) -> None:
+    model, trainer, mask = recorded
+    engine = from_vllm(_engine_of(trainer, mask), model, attention_mask=mask)
+    # Rows a router chose: the real tokens but each request's last one (the engine never forwarded it).
+    expected = mask.bool().clone()
+    for row, n in enumerate(LENGTHS):
+        expected[row, n - 1] = False
+    assert engine.routed is not None and engine.routed.dtype == torch.bool
+    assert torch.equal(engine.routed, expected.reshape(-1))
+    for chosen in (mask, None, mask.bool()):
+        result = compare_routing(engine, trainer, mask=chosen)
+        assert result.exact and result.mismatched == [0, 0], result.summary()
+        assert result.compared == [sum(LENGTHS) - len(LENGTHS)] * 2
+        assert result.tokens_compared == sum(LENGTHS) - len(LENGTHS)
+    # Either side: the same rows are skipped.
+    assert compare_routing(trainer, engine, mask=mask).compared == [sum(LENGTHS) - len(LENGTHS)] * 2
+
+
+def test_the_routed_rows_travel_with_the_trace(recorded, tmp_path) -> None:
+    model, trainer, mask = recorded
+    engine = from_vllm(_engine_of(trainer, mask), model, attention_mask=mask)
+    routed = engine.routed
+    assert routed is not None
+    engine.save(tmp_path / "engine.safetensors")
+    for copy in (
+        RoutingTrace.load(tmp_path / "engine.safetensors"),
+        RoutingTrace.from_bytes(engine.to_bytes()),
+        engine.compact(),
+        engine.select_layers(engine.layer_ids),
+    ):
+        assert copy.routed is not None and torch.equal(copy.routed, routed)
+    width = mask.shape[1]
+    assert torch.equal(engine.select([1]).routed, routed.reshape(-1, width)[1])
+    appended = engine.append_positions(2).routed
+    assert appended is not None
+    assert torch.equal(appended.reshape(-1, width + 2)[:, :width], routed.reshape(-1, width))
+    assert not bool(appended.reshape(-1, width + 2)[:, width:].any())
+    packed = engine.pack(mask, row_length=sum(LENGTHS) + 2)
+    want = torch.cat(
+        [routed.reshape(-1, width)[i, :n] for i, n in enumerate(LENGTHS)] + [torch.zeros(2, dtype=torch.bool)]
+    )
+    assert packed.routed is not None and torch.equal(packed.routed, want)
+
+
+def test_a_recorded_trace_says_every_row_was_routed(recorded) -> None:
+    assert recorded[1].routed is None
+
+
+def test_routed_must_be_one_bool_per_row() -> None:
+    layers = [torch.tensor([[0, 1], [2, 3]])]
+    with pytest.raises(RoutingError, match=r"`routed` must be a 1-D bool tensor of 2 entries"):
+        RoutingTrace(layers, num_experts=8, routed=torch.tensor([1, 0]))
+    with pytest.raises(RoutingError, match=r"`routed` must be a 1-D bool tensor of 2 entries"):
+        RoutingTrace(layers, num_experts=8, routed=torch.tensor([True]))
+
+
+def test_a_transposed_mask_is_refused() -> None:
+    a = _trace([[0, 1], [2, 3], [4, 5], [6, 7], [0, 2], [1, 3]], batch_size=2)  # 2 sequences x 3 positions
+    b = _trace([[0, 1], [2, 4], [4, 5], [6, 7], [0, 3], [1, 3]], batch_size=2)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    assert compare_routing(a, b, mask=mask).mismatched == [2]  # (0, 1) and (1, 1)
+    with pytest.raises(
+        RoutingError, match=r"`mask` has shape \(3, 2\) but the traces hold 2 sequences of 3"
+    ) as info:
+        compare_routing(a, b, mask=mask.T)
+    assert isinstance(info.value, ValueError)
+
+
+def test_a_two_dimensional_mask_needs_the_batch_layout() -> None:
+    a, b = [torch.tensor([[0, 1], [2, 3]])], [torch.tensor([[0, 1], [2, 4]])]
+    with pytest.raises(RoutingError, match=r"no batch layout"):
+        compare_routing(a, b, mask=torch.ones(1, 2, dtype=torch.bool))
+    assert compare_routing(a, b, mask=torch.tensor([1, 1])).mismatched == [1]
+
+
+@pytest.mark.parametrize(
+    ("mask", "match"),
+    [
+        (torch.tensor([1.0, 0.5, 1.0]), r"`mask` holds float32"),
+        (torch.tensor([1, 2, 1]), r"`mask` must hold only 0 and 1; found 2"),
+        (torch.tensor([1, -1, 1]), r"`mask` must hold only 0 and 1; found -1"),
+    ],
+)
+def test_a_mask_that_is_not_zeros_and_ones_is_refused(mask: torch.Tensor, match: str) -> None:
+    a = _trace([[0, 1], [2, 3], [4, 5]])
+    b = _trace([[0, 1], [2, 4], [4, 5]])
+    with pytest.raises(RoutingError, match=match) as info:
+        compare_routing(a, b, mask=mask)
+    assert isinstance(info.value, ValueError)
+
+
+def test_nothing_compared_is_refused_not_exact() -> None:
+    a = _trace([[0, 1], [2, 3]], [[0, 1], [2, 3]], batch_size=1)
+    b = _trace([[0, 1], [2, 4]], [[0, 1], [2, 4]], batch_size=1)
+    with pytest.raises(RoutingError, match=r"compared no token.*decoder layer `0`") as info:
+        compare_routing(a, b, mask=torch.zeros(1, 2, dtype=torch.bool))
+    assert isinstance(info.value, ValueError)
+    live = RoutingTrace([torch.tensor([[-1, -1], [-1, -1]])], num_experts=8, missing="live")
+    with pytest.raises(RoutingError, match=r"compared no token"):
+        compare_routing(live, [torch.tensor([[0, 1], [2, 3]])])
+    with pytest.raises(RoutingError, match=r"no MoE layer"):
+        compare_routing([], [])

@@ -138,3 +138,84 @@ def test_a_whole_uncaptured_layer_is_still_the_layer_error(top2: torch.nn.Module
         routes[:, 2] = 0
     with pytest.raises(RoutingError, match=r"Every routed expert id of MoE layer `2` is 0 in every request"):
         from_vllm(engine, top2, input_lengths=LENGTHS, zero_rows="live")
+
+
+# ---- issue 28 point 3: gaps are looked for on the engine's own ids, before `expert_map` -------------
+# Physical-to-logical map of an expert-parallel engine; physical 0 is logical 3, so a gap row of
+# zeros would become [3, 3] (top-2: "duplicate ids" later) or [3] (top-1: silently replayed).
+EXPERT_MAP = np.array([3, 0, 1, 2, 4, 5, 6, 7])
+
+
+def _logical(engine: list[np.ndarray]) -> list[np.ndarray]:
+    """What the engine's physical rows mean: every id through the map, -1 rows left as they are."""
+    out = []
+    for routes in engine:
+        mapped = EXPERT_MAP[np.clip(routes, 0, None)]
+        out.append(np.where(routes < 0, -1, mapped).astype(np.int32))
+    return out
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_a_gap_is_refused_through_an_expert_map(
+    top1: torch.nn.Module, top2: torch.nn.Module, engine: str, top_k: int
+) -> None:
+    model = top1 if top_k == 1 else top2
+    routes = _with_gap(top_k)
+    build = from_vllm if engine == "vllm" else from_sglang
+    given = routes if engine == "vllm" else _sglang(routes)
+    zeros = ", ".join(["0"] * top_k)
+    with pytest.raises(
+        RoutingError, match=rf"Request 1 routes token 2 of decoder layer `2` to \[{zeros}\]"
+    ) as caught:
+        build(given, model, input_lengths=LENGTHS, expert_map=EXPERT_MAP)
+    assert "capture" in str(caught.value) and "zero_rows=" in str(caught.value)
+    assert isinstance(caught.value, ValueError)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_zero_rows_live_through_an_expert_map_routes_the_gap_live(
+    top1: torch.nn.Module, top2: torch.nn.Module, engine: str, top_k: int
+) -> None:
+    model = top1 if top_k == 1 else top2
+    routes = _with_gap(top_k)
+    build = from_vllm if engine == "vllm" else from_sglang
+    given = routes if engine == "vllm" else _sglang(routes)
+    trace = build(given, model, input_lengths=LENGTHS, expert_map=EXPERT_MAP, zero_rows="live")
+    marked = _engine(top_k)
+    marked[1][2, 2] = -1
+    # Logical 0 is a real choice there (physical 1), so the reference takes zeros as expert 0.
+    expected = from_vllm(_logical(marked), model, input_lengths=LENGTHS, missing="live", zero_rows="accept")
+    assert trace.missing == "live" == expected.missing
+    for got, want in zip(trace.layers, expected.layers):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    seq = max(LENGTHS)
+    assert trace[1][seq + 2].tolist() == [-1] * top_k
+    assert int((trace[1] < 0).all(-1).sum()) == 1 and int((trace[0] < 0).all(-1).sum()) == 0
+
+
+def test_top1_accept_through_an_expert_map_maps_the_zero_as_a_real_choice(top1: torch.nn.Module) -> None:
+    routes = _with_gap(1)
+    accepted = from_vllm(routes, top1, input_lengths=LENGTHS, expert_map=EXPERT_MAP, zero_rows="accept")
+    expected = from_vllm(_logical(routes), top1, input_lengths=LENGTHS, zero_rows="accept")
+    assert accepted.missing == "refuse"
+    assert accepted[1][max(LENGTHS) + 2].tolist() == [int(EXPERT_MAP[0])]
+    for got, want in zip(accepted.layers, expected.layers):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_without_gaps_an_expert_map_gives_the_logical_trace(top2: torch.nn.Module) -> None:
+    routes = _engine(2)
+    mapped = from_vllm(routes, top2, input_lengths=LENGTHS, expert_map=EXPERT_MAP)
+    expected = from_vllm(_logical(routes), top2, input_lengths=LENGTHS)
+    for got, want in zip(mapped.layers, expected.layers):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_a_whole_uncaptured_layer_through_an_expert_map_is_the_layer_error(top2: torch.nn.Module) -> None:
+    engine = _engine(2)
+    for routes in engine:
+        routes[:, 2] = 0
+    with pytest.raises(RoutingError, match=r"Every routed expert id of MoE layer `2` is 0 in every request"):
+        from_vllm(engine, top2, input_lengths=LENGTHS, expert_map=EXPERT_MAP, zero_rows="live")

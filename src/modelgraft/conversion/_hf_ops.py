@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from modelgraft.conversion.ops import ConversionContext, ConversionOperation, TensorGroups
-from modelgraft.errors import ConversionError, IrreversibleConversionError
+from modelgraft.conversion.ops import ConversionContext, ConversionOperation, ShapeGroups, TensorGroups
+from modelgraft.errors import ConversionError, IrreversibleConversionError, OperationModelError
 
 __all__ = ["TransformersOperation", "adapt_operations", "is_transformers_operation"]
 
@@ -100,6 +100,78 @@ def _by_index(out: dict[Any, Any], patterns: Sequence[str]) -> TensorGroups | No
     return [[t for _, t in sorted(items, key=lambda x: x[0])] for items in slots.values() if items]
 
 
+# transformers' operations that `modelgraft.porting` has under the same name (kept in step with its
+# `__all__` by the tests); porting sits above this layer, so the names are listed, not imported.
+PORTED_OPERATIONS = (
+    "Chunk",
+    "Concatenate",
+    "Conv3dToLinear",
+    "Interleave",
+    "LinearToConv3d",
+    "MergeModulelist",
+    "PermuteForRope",
+    "Split",
+    "SplitModulelist",
+    "Transpose",
+)
+
+
+def _hint(op: object) -> str:
+    """modelgraft's own operation of that name, when there is one (it sizes from the engine's shapes)."""
+    name = type(op).__name__
+    if name in PORTED_OPERATIONS and not type(op).__module__.startswith("modelgraft."):
+        return f" Use `modelgraft.porting.{name}` instead: it takes the same arguments and runs on modelgraft's engine."
+    return ""
+
+
+class _Shape:
+    """A target parameter as an operation may see it here: its shape, nothing else."""
+
+    __slots__ = ("_name", "_op", "shape")
+
+    def __init__(self, op: object, name: str, shape: torch.Size) -> None:
+        self._op, self._name, self.shape = op, name, shape
+
+    def __getattr__(self, attr: str) -> Any:
+        raise OperationModelError(
+            f"Operation `{type(self._op).__name__}` reads `.{attr}` of the model parameter `{self._name}`; modelgraft "
+            "hands operations written for transformers only the target parameters' shapes (on load, to a converter's "
+            f"last operation), not the model.{_hint(self._op)}"
+        )
+
+
+class _TargetParameters:
+    """The ``model`` a transformers operation gets: ``get_parameter`` answers the converter's target
+    patterns with their shapes where the engine knows them (on load, for the last operation)."""
+
+    __slots__ = ("_op", "_shapes", "_targets")
+
+    def __init__(self, op: object, targets: Sequence[str], shapes: ShapeGroups | None) -> None:
+        self._op, self._targets, self._shapes = op, list(targets), shapes
+
+    def get_parameter(self, name: str) -> _Shape:
+        if self._shapes is not None and name in self._targets:
+            group = self._shapes[self._targets.index(name)]
+            if len(group) == 1:
+                return _Shape(self._op, name, torch.Size(group[0]))
+        where = (
+            "here: the engine knows the target parameters' shapes only on load, for a converter's last operation"
+            if self._shapes is None
+            else f"for `{name}`, which is not one of the converter's targets {self._targets}"
+        )
+        raise OperationModelError(
+            f"Operation `{type(self._op).__name__}` reads `model.get_parameter({name!r})`, which modelgraft cannot "
+            f"answer {where}.{_hint(self._op)}"
+        )
+
+    def __getattr__(self, attr: str) -> Any:
+        raise OperationModelError(
+            f"Operation `{type(self._op).__name__}` reads `model.{attr}`; modelgraft does not hand operations written "
+            "for transformers the model, only `model.get_parameter(target)` for the target parameters' shapes (on "
+            f"load, for a converter's last operation).{_hint(self._op)}"
+        )
+
+
 class TransformersOperation(ConversionOperation):
     """One transformers-protocol operation, bound to its converter's source and target patterns."""
 
@@ -121,22 +193,30 @@ class TransformersOperation(ConversionOperation):
 
     @staticmethod
     def _run(
-        op: Any, tensors: TensorGroups, sources: Sequence[str], targets: Sequence[str], config: Any = None
+        op: Any,
+        tensors: TensorGroups,
+        sources: Sequence[str],
+        targets: Sequence[str],
+        config: Any = None,
+        shapes: ShapeGroups | None = None,
     ) -> TensorGroups:
         keys = _keys_for(len(tensors), sources, targets)
+        # transformers hands its operations the model and the first target's key; here the first
+        # target pattern stands for the key, and the model answers only with the targets' shapes
+        # (an operation that reads more is refused naming itself, not with `None` has no attribute).
         out = op.convert(
             dict(zip(keys, [list(g) for g in tensors])),
             source_patterns=list(sources),
             target_patterns=list(targets),
-            full_layer_name=None,
-            model=None,
+            full_layer_name=targets[0] if targets else None,
+            model=_TargetParameters(op, targets, shapes),
             config=config,
             missing_keys=None,
         )
         return _as_groups(out, op, targets, sources)
 
     def convert(self, tensors: TensorGroups, context: ConversionContext) -> TensorGroups:
-        return self._run(self.op, tensors, self.sources, self.targets, context.config)
+        return self._run(self.op, tensors, self.sources, self.targets, context.config, context.target_shapes)
 
     def _reverse_op(self) -> Any:
         try:

@@ -21,13 +21,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from modelgraft.errors import RoutingError
+from modelgraft.errors import RoutingError, RoutingFileError
 from modelgraft.moe._ids import MISSING_POLICIES, is_id_dtype, missing_rows, to_compact, widen
 
 if TYPE_CHECKING:  # the trace imports this module to save and load itself
     from modelgraft.moe.trace import RoutingTrace
 
 _FORMAT = "modelgraft.routing/1"
+# The optional per-row flags of `RoutingTrace.routed` (absent: every row routed; older files lack it).
+_ROUTED = "routed"
 
 
 def _payload(trace: RoutingTrace) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -40,6 +42,8 @@ def _payload(trace: RoutingTrace) -> tuple[dict[str, torch.Tensor], dict[str, st
             layer_experts = 1 + (int(tensor.max()) if tensor.numel() else 0)
         compact = to_compact(tensor.detach().cpu(), layer_experts, f"layer `{lid}`", allow_missing=live)
         tensors[f"layer.{i}"] = compact.contiguous()
+    if trace.routed is not None:  # rows modelgraft filled in (padding, an engine's last token)
+        tensors[_ROUTED] = trace.routed.contiguous()
     meta = {
         "format": _FORMAT,
         "layer_ids": json.dumps(trace.layer_ids),
@@ -90,13 +94,27 @@ def load_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
     from safetensors import SafetensorError, safe_open
 
     try:
-        with safe_open(os.fspath(path), framework="pt") as handle:
+        where = os.fspath(path)
+    except TypeError:
+        raise RoutingError(
+            f"A routing trace is loaded from a path (`str` or `os.PathLike`); got `{type(path).__name__}`."
+        ) from None
+    # Before safetensors opens it: a folder is "No such device (os error 19)" there, and a missing
+    # file its own FileNotFoundError; both are paths that hold no trace.
+    if os.path.isdir(where):
+        raise RoutingFileError(
+            f"`{path}` is a folder, not a routing trace file; pass the `.safetensors` file `RoutingTrace.save` wrote."
+        )
+    if not os.path.exists(where):
+        raise RoutingFileError(
+            f"`{path}` does not exist; pass the path of a routing trace written by `RoutingTrace.save`."
+        )
+    try:
+        with safe_open(where, framework="pt") as handle:
             return _read(path, handle.metadata() or {}, list(handle.keys()), handle.get_tensor)
     except RoutingError:
         raise
     except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as exc:
-        if isinstance(exc, FileNotFoundError):
-            raise
         raise RoutingError(
             f"`{path}` cannot be read as safetensors ({type(exc).__name__}: {exc}); write it with "
             "`RoutingTrace.save`."
@@ -141,8 +159,9 @@ def _read(
         )
     fields = _read_metadata(path, meta)
     expected = [f"layer.{i}" for i in range(len(fields["layer_ids"]))]
-    _check_names(path, names, expected)
+    _check_names(path, [n for n in names if n != _ROUTED], expected)
     layers = [_read_layer(path, name, get(name), fields) for name in expected]
+    routed = _read_routed(path, get(_ROUTED), layers) if _ROUTED in names else None
     seq_len = fields.pop("seq_len")
     batch = fields["batch_size"]
     if seq_len is not None or batch is not None:
@@ -158,7 +177,17 @@ def _read(
                     f"{(batch or 0) * seq_len} rows but tensor `{name}` has {tensor.shape[0]}; the file was changed "
                     "after `RoutingTrace.save` wrote it."
                 )
-    return {"layers": layers, **fields}
+    return {"layers": layers, **fields, "routed": routed}
+
+
+def _read_routed(path: Any, tensor: torch.Tensor, layers: list[torch.Tensor]) -> torch.Tensor:
+    rows = int(layers[0].shape[0]) if layers else 0
+    if tensor.dtype != torch.bool or tensor.dim() != 1 or tensor.shape[0] != rows:
+        raise RoutingError(
+            f"`{path}`: tensor `{_ROUTED}` is {tensor.dtype} of shape {tuple(tensor.shape)}; expected bool of "
+            f"shape ({rows},), one flag per row. The file was changed after `RoutingTrace.save` wrote it."
+        )
+    return tensor
 
 
 def _json_field(path: Any, meta: dict[str, str], key: str, default: str | None = None) -> Any:
@@ -225,7 +254,7 @@ def _check_names(path: Any, names: list[str], expected: list[str]) -> None:
     if extra:
         raise RoutingError(
             f"`{path}` holds unexpected tensor `{extra[0]}`; a routing trace holds `layer.0` .. "
-            f"`layer.{len(expected) - 1}`, one per entry of `layer_ids`."
+            f"`layer.{len(expected) - 1}`, one per entry of `layer_ids`, and optionally `{_ROUTED}`."
         )
     if len(names) != len(expected):
         shown = ", ".join(f"`{n}`" for n in sorted(names))

@@ -170,16 +170,55 @@ def _layers(routing: RoutingTrace | Sequence[torch.Tensor], name: str) -> list[t
     return [widen(t).long().cpu() for t in tensors]
 
 
-def _token_mask(mask: torch.Tensor | None, num_tokens: int) -> torch.Tensor:
+def _token_mask(mask: Any, num_tokens: int, batch: int | None) -> torch.Tensor:
+    """The tokens to compare, one flag per row; a mask that could mean other rows is refused.
+
+    A ``(num_tokens,)`` mask is taken in row order; a 2-D one must be ``(batch, seq)`` of the
+    traces' batch layout (a transposed ``(seq, batch)`` mask has the same size and other rows).
+    Only bools and integers 0/1 are flags: a float mask (0.5) says nothing exact.
+    """
     if mask is None:
         return torch.ones(num_tokens, dtype=torch.bool)
-    flat = torch.as_tensor(mask).reshape(-1).cpu()
-    if flat.numel() != num_tokens:
+    try:
+        given = torch.as_tensor(mask).cpu()
+    except (TypeError, ValueError, RuntimeError) as exc:
         raise RoutingError(
-            f"`mask` has {flat.numel()} entries ({tuple(torch.as_tensor(mask).shape)}) but the traces have "
+            f"`mask` must be a bool or 0/1 integer tensor (the attention mask); got `{type(mask).__name__}` ({exc})."
+        ) from None
+    shape = tuple(given.shape)
+    if given.numel() != num_tokens:
+        raise RoutingError(
+            f"`mask` has {given.numel()} entries ({shape}) but the traces have "
             f"{num_tokens} tokens per layer; pass one entry per token (e.g. the `(batch, seq)` attention mask)."
         )
-    return flat.bool()
+    if given.dim() == 2:
+        if batch is None:
+            raise RoutingError(
+                f"`mask` has shape {shape}, but the compared traces have no batch layout (`batch_size`), so "
+                "its rows cannot be checked against theirs; pass a flat `(num_tokens,)` mask in the traces' row "
+                "order, or traces with `batch_size`."
+            )
+        if shape != (batch, num_tokens // batch):
+            raise RoutingError(
+                f"`mask` has shape {shape} but the traces hold {batch} sequences of {num_tokens // batch} "
+                f"positions; pass the `({batch}, {num_tokens // batch})` attention mask of the batch (not transposed)."
+            )
+    elif given.dim() != 1:
+        raise RoutingError(
+            f"`mask` has shape {shape}; pass `(num_tokens,)` or the `(batch, seq)` attention mask."
+        )
+    if given.dtype.is_floating_point or given.dtype.is_complex:
+        raise RoutingError(
+            f"`mask` holds {str(given.dtype).removeprefix('torch.')}; a mask says per token compare or not: "
+            "pass a bool tensor or integers 0 and 1 (e.g. the attention mask, or `mask > 0` of your own)."
+        )
+    if given.dtype != torch.bool:
+        odd = given[(given != 0) & (given != 1)]
+        if odd.numel():
+            raise RoutingError(
+                f"`mask` must hold only 0 and 1; found {int(odd[0])}. Pass the attention mask, or a bool tensor."
+            )
+    return given.reshape(-1).bool()
 
 
 def compare_routing(
@@ -193,15 +232,20 @@ def compare_routing(
     Args:
         a, b: :class:`RoutingTrace` objects (or lists of ``(num_tokens, top_k)`` tensors) over the
             same tokens in the same order: same MoE layers, token count and ``top_k``.
-        mask: tokens to compare, one entry per token (``(num_tokens,)`` or the ``(batch, seq)``
-            attention mask); default all. Rows of ``-1`` (no route) in either routing are skipped.
+        mask: tokens to compare, one bool (or 0/1 integer) per token: ``(num_tokens,)`` in row
+            order, or the ``(batch, seq)`` attention mask of the traces' batch layout; default all.
+            Rows no router chose are skipped by construction: rows of ``-1`` (no route) and rows
+            that a trace marks as filler (:attr:`RoutingTrace.routed`: padding and the last token
+            of each engine request, which the engine never forwarded).
 
     Returns:
         A :class:`RoutingComparison` (``rates``, ``mismatch_rate``, ``positions``, ``summary()``).
 
     Raises:
-        RoutingError: the routings cover other layers, token counts or ``top_k``, hold non-integer
-            tensors, or the mask has another token count.
+        RoutingError: the routings cover other layers, token counts, batch layouts or ``top_k``,
+            hold non-integer tensors; the mask has another shape (a 2-D mask must be the traces'
+            ``(batch, seq)``) or is not bools or 0/1 integers; a layer has no token to compare
+            (an all-zero mask, every row unrouted), which would read as exact.
     """
     la, lb = _layers(a, "a"), _layers(b, "b")
     ids_a = a.layer_ids if isinstance(a, RoutingTrace) else list(range(len(la)))
@@ -218,7 +262,20 @@ def compare_routing(
                 f"Layer `{lid}`: `a` has {tuple(ta.shape)} (tokens, top_k) but `b` has {tuple(tb.shape)}; both "
                 "must route the same tokens with the same top_k."
             )
-    keep = _token_mask(mask, num_tokens)
+    names = a.layer_names if isinstance(a, RoutingTrace) else []
+    batch_a = a.batch_size if isinstance(a, RoutingTrace) else None
+    batch_b = b.batch_size if isinstance(b, RoutingTrace) else None
+    if batch_a is not None and batch_b is not None and batch_a != batch_b:
+        raise RoutingError(
+            f"`a` holds {batch_a} sequences but `b` {batch_b} ({num_tokens} rows each): the routings lay out "
+            "other tokens; compare traces of the same batch."
+        )
+    batch = batch_a if batch_a is not None else batch_b
+    seq = num_tokens // batch if batch and num_tokens % batch == 0 else None
+    keep = _token_mask(mask, num_tokens, batch if seq is not None else None)
+    for trace in (a, b):
+        if isinstance(trace, RoutingTrace) and trace.routed is not None:
+            keep = keep & trace.routed  # filler rows: no router chose them
     compared, mismatched, overlap, positions = [], [], [], []
     any_diff = torch.zeros(num_tokens, dtype=torch.bool)
     any_compared = torch.zeros(num_tokens, dtype=torch.bool)
@@ -233,11 +290,15 @@ def compare_routing(
         positions.append(differs.nonzero().reshape(-1))
         any_diff |= differs
         any_compared |= routed
-    names = a.layer_names if isinstance(a, RoutingTrace) else []
-    batch = a.batch_size if isinstance(a, RoutingTrace) else None
-    if batch is None and isinstance(b, RoutingTrace):
-        batch = b.batch_size
-    seq = num_tokens // batch if batch and num_tokens % batch == 0 else None
+    if not la:
+        raise RoutingError("The routings hold no MoE layer: there is nothing to compare.")
+    empty = [lid for lid, count in zip(ids_a, compared) if not count]
+    if empty:
+        raise RoutingError(
+            f"compare_routing compared no token of decoder layer `{empty[0]}` ({num_tokens} rows; "
+            f"{int(keep.sum())} in the mask and routed by both): an all-zero mask, rows of -1 or filler rows "
+            "only. An empty comparison would read as exact; pass the mask of the tokens both routings chose."
+        )
     return RoutingComparison(
         layer_ids=list(ids_a),
         layer_names=list(names),

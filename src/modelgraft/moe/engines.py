@@ -74,8 +74,8 @@ def layout_requests(
             treats them as out-of-range ids.
 
     Returns:
-        A trace with ``batch * seq`` rows per layer, row-major over the batch, ``batch_size`` set
-        and ids in :func:`~modelgraft.moe.compact_dtype`.
+        A trace with ``batch * seq`` rows per layer, row-major over the batch, ``batch_size`` set,
+        ids in :func:`~modelgraft.moe.compact_dtype` and ``routed`` False on the padding rows (filler).
 
     Example:
         >>> import torch
@@ -126,6 +126,7 @@ def layout_requests(
         model_type=model_type,
         batch_size=batch,
         missing=missing,
+        routed=mask.reshape(-1).cpu(),  # padding rows hold filler ids, no router chose them
     )
 
 
@@ -212,7 +213,9 @@ def from_vllm(
             ``replay_routing`` forces every other row).
         expert_map: physical-to-logical expert ids for engines that report physical ids
             (expert-parallel load balancing): ``(num_physical,)`` for every layer, or
-            ``(layers, num_physical)`` with one row per decoder layer or per MoE layer.
+            ``(layers, num_physical)`` with one row per decoder layer or per MoE layer. Capture gaps
+            (``zero_rows``) and uncaptured layers (``allow_all_zero``) are looked for on the engine's
+            own ids, before the map: a gap is a row of physical zeros, whatever ``map[0]`` is.
         zero_rows: a row of zeros in an otherwise captured MoE layer is a token the engine did not
             capture (its buffer was not written): with top-k > 1 it names expert 0 k times, which
             no router does; with top-1 it cannot be told from expert 0. ``"refuse"`` (default): an
@@ -223,7 +226,9 @@ def from_vllm(
 
     Returns:
         A :class:`RoutingTrace` with ``batch * seq`` rows per MoE layer, ``batch_size`` set and ids
-        in :func:`~modelgraft.moe.compact_dtype`, ready for ``replay_routing``.
+        in :func:`~modelgraft.moe.compact_dtype`, ready for ``replay_routing``. Its ``routed`` is
+        False on the rows the engine did not route (padding, each request's last token): filler
+        that ``compare_routing`` skips.
 
     Raises:
         RoutingError: a row count that is neither ``num_tokens`` nor ``num_tokens - 1``, a token
@@ -320,18 +325,18 @@ def _assemble(
         input_lengths = [int(r.tokens) for r in requests]  # type: ignore[arg-type]
     mask = _mask(attention_mask, input_lengths, padding_side, len(requests))
     mapping = _ExpertMap(expert_map, ids, hidden_layers) if expert_map is not None else None
-    selected = []
-    for request in requests:
-        rows = _place(request)
-        rows = _select_layers(rows, ids, hidden_layers, request.name)
-        if mapping is not None:
-            rows = mapping.apply(rows, request.name)
-        selected.append(rows)
+    # The engine's own ids: a capture gap (or an uncaptured layer) is a row of zeros in the engine's
+    # buffer, before any `expert_map`; mapped, it would read as expert `map[0]` and hide.
+    selected = [_select_layers(_place(request), ids, hidden_layers, request.name) for request in requests]
+    if mapping is not None:
+        for request, rows in zip(requests, selected):
+            mapping.check(rows, request.name)  # map errors (out of range, -1 entries) come first, as before
     _refuse_uncaptured_layers(selected, ids)
     if not allow_all_zero:
         _refuse_all_zero_layers(selected, ids)
     exempt = _all_zero_layers(selected) if allow_all_zero else None
     laid_out = []
+    filled = []  # requests whose last token got the filler (the engine never forwarded it)
     gaps = False
     for i, (request, arr) in enumerate(zip(requests, selected)):
         tokens, sent = int(mask[i].sum()), arr.shape[0]
@@ -341,27 +346,36 @@ def _assemble(
                 f"completion) but its attention_mask row has {tokens} real tokens; pass the mask of the batch "
                 "built from these outputs."
             )
-        if arr.shape[0] == tokens - 1:
+        if sent not in (tokens - 1, tokens):
+            raise RoutingError(
+                f"Routed experts of {request.name} have {sent} rows but the request has {tokens} tokens; "
+                f"expected {tokens - 1} (vLLM/SGLang: the last token has no route) or {tokens}."
+            )
+        if mapping is None:
+            _check_range(arr, experts, True, request.name, ids)
+        if missing == "refuse":
+            _refuse_missing(arr, request.name, ids)
+        routed = handle_zero_rows(arr, request.name, ids, zero_rows, exempt)
+        if routed is not arr:
+            gaps = True  # capture gaps, now -1 rows: the trace routes them live
+        if mapping is not None:
+            routed = mapping.apply(routed, request.name)  # -1 rows (gaps made live) stay -1
+            _check_range(routed, experts, True, request.name, ids)
+        if sent == tokens - 1:
             # The last sampled token never ran through the MoE: give it a valid route, using negative
             # filler ordinals so it does not repeat the pad rows' experts.
             fill = _fill(-1 - i, 1, arr.shape[2], experts).unsqueeze(1).expand(1, arr.shape[1], -1)
-            arr = torch.cat([arr, fill])
-        elif arr.shape[0] != tokens:
-            raise RoutingError(
-                f"Routed experts of {request.name} have {arr.shape[0]} rows but the request has {tokens} tokens; "
-                f"expected {tokens - 1} (vLLM/SGLang: the last token has no route) or {tokens}."
-            )
-        _check_range(arr, experts, True, request.name, ids)
-        if missing == "refuse":
-            _refuse_missing(arr, request.name, ids)
-        captured = arr[:sent]  # the engine's rows, not the filled last one
-        routed = handle_zero_rows(captured, request.name, ids, zero_rows, exempt)
-        if routed is not captured:
-            gaps = True  # capture gaps, now -1 rows: the trace routes them live
-            arr = torch.cat([routed, arr[sent:]])
-        laid_out.append(arr)
+            routed = torch.cat([routed, fill.to(routed.dtype)])
+            filled.append(i)
+        laid_out.append(routed)
     policy = "live" if gaps else missing
-    return layout_requests(laid_out, mask, experts, layer_ids=ids, model_type=model_type, missing=policy)
+    trace = layout_requests(laid_out, mask, experts, layer_ids=ids, model_type=model_type, missing=policy)
+    if not filled:
+        return trace
+    flags = mask.clone().cpu()
+    for i in filled:
+        flags[i, int(flags[i].nonzero()[-1])] = False  # the request's last real position
+    return trace._copy(trace.layers, trace.batch_size, routed=flags.reshape(-1))
 
 
 def _place(request: Request) -> torch.Tensor:
@@ -437,7 +451,12 @@ class _ExpertMap:
             )
         self.ids = ids
 
+    def check(self, rows: torch.Tensor, name: str) -> None:
+        """Raise where ``rows`` name a physical expert the map does not have or maps to no expert."""
+        self.apply(rows, name)
+
     def apply(self, rows: torch.Tensor, name: str) -> torch.Tensor:
+        """``rows`` with every physical id replaced by its logical one; whole ``-1`` rows kept."""
         out = rows.clone()
         for j, table in enumerate(self.rows):
             column = rows[:, j]

@@ -130,6 +130,19 @@ def pack_routes(
     if position_ids is not None:
         _check_positions(position_ids, rows, real, length)
     experts = trace.num_experts
+    # Which packed rows a router chose: the real positions' own flags, then filler padding.
+    flags = (trace.routed if trace.routed is not None else torch.ones(batch * seq, dtype=torch.bool)).reshape(
+        batch, seq
+    )
+    routed = torch.cat(
+        [
+            torch.cat(
+                [flags[i][real[i].cpu()] for i in row]
+                + [torch.zeros(length - sum(len(real[i]) for i in row), dtype=torch.bool)]
+            )
+            for row in rows
+        ]
+    )
     layers = []
     for tensor in trace.layers:
         k = tensor.shape[1]
@@ -147,7 +160,7 @@ def pack_routes(
                 parts.append(fill.to(device=tensor.device, dtype=tensor.dtype))
             packed.append(torch.cat(parts))
         layers.append(torch.cat(packed))
-    return trace._copy(layers, len(rows))
+    return trace._copy(layers, len(rows), routed=routed)
 
 
 def pack_sequences(

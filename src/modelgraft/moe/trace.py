@@ -94,6 +94,11 @@ class RoutingTrace:
             batch); else ``None``.
         missing: what ``replay_routing`` does with rows of ``-1`` (tokens without a route):
             ``"refuse"`` (the default: they are an error) or ``"live"`` (the router chooses them).
+        routed: per row, whether a router chose its ids (``True``) or modelgraft filled them in
+            (``False``: padding, the last token of an engine request, which the engine never
+            forwarded, positions added by :meth:`append_positions` or by packing); ``None`` when
+            every row was routed (a recording). A bool ``(num_tokens,)`` tensor on the CPU.
+            ``compare_routing`` compares routed rows only; ``replay_routing`` forces every row alike.
     """
 
     layers: list[torch.Tensor]
@@ -105,6 +110,7 @@ class RoutingTrace:
     layer_names: list[str] = field(default_factory=list)
     batch_size: int | None = None
     missing: str = "refuse"
+    routed: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.layers = list(self.layers)
@@ -127,6 +133,29 @@ class RoutingTrace:
                 raise RoutingError(
                     f"Routing for layer `{lid}` must be a 2-D integer tensor (num_tokens, top_k); got {got}."
                 )
+        self.routed = self._check_routed(self.routed)
+
+    def _check_routed(self, routed: Any) -> torch.Tensor | None:
+        """``routed`` as a CPU bool vector of one entry per row, or ``None`` when every row is routed."""
+        if routed is None:
+            return None
+        rows = self.num_tokens
+        if (
+            not isinstance(routed, torch.Tensor)
+            or routed.dtype != torch.bool
+            or routed.dim() != 1
+            or routed.shape[0] != rows
+        ):
+            got = (
+                f"{routed.dtype} of shape {tuple(routed.shape)}"
+                if isinstance(routed, torch.Tensor)
+                else f"`{type(routed).__name__}`"
+            )
+            raise RoutingError(
+                f"`routed` must be a 1-D bool tensor of {rows} entries (one per row: True where a router chose the "
+                f"ids); got {got}."
+            )
+        return None if bool(routed.all()) else routed.detach().cpu()
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -173,6 +202,8 @@ class RoutingTrace:
             "layer_names": list(self.layer_names),
             "batch_size": batch_size,
             "missing": self.missing,
+            # Callers that change the rows pass the rows' `routed` (the check refuses a stale one).
+            "routed": self.routed,
         }
         fields.update(changes)
         return RoutingTrace(layers, **fields)
@@ -236,7 +267,10 @@ class RoutingTrace:
             )
         index = torch.tensor(ids, device=self.layers[0].device if self.layers else None)
         layers = [t.reshape(batch, seq, t.shape[1])[index].reshape(-1, t.shape[1]) for t in self.layers]
-        return self._copy(layers, len(ids))
+        routed = (
+            None if self.routed is None else self.routed.reshape(batch, seq)[torch.tensor(ids)].reshape(-1)
+        )
+        return self._copy(layers, len(ids), routed=routed)
 
     def append_positions(self, count: int = 1) -> RoutingTrace:
         """A copy with ``count`` more positions at the end of every sequence, routed to filler experts.
@@ -273,7 +307,10 @@ class RoutingTrace:
             per_sequence = tensor.reshape(batch, -1, k)
             fill = spread_fill(0, batch * count, k, self.num_experts).reshape(batch, count, k)
             layers.append(torch.cat([per_sequence, fill.to(tensor)], dim=1).reshape(-1, k))
-        return self._copy(layers, batch)
+        # The appended positions are filler, no router chose them.
+        before = self.routed if self.routed is not None else torch.ones(self.num_tokens, dtype=torch.bool)
+        routed = torch.cat([before.reshape(batch, -1), torch.zeros(batch, count, dtype=torch.bool)], dim=1)
+        return self._copy(layers, batch, routed=routed.reshape(-1))
 
     def pack(
         self,
@@ -431,11 +468,15 @@ class RoutingTrace:
         if repeated:
             raise RoutingError(f"Decoder layer `{repeated[0]}` is in more than one of the traces to join.")
         names = [name for _, _, name in entries]
+        # A row is routed when every stage says so (stages of one engine agree).
+        given = [tr.routed for tr in traces if tr.routed is not None]
+        routed = torch.stack(given).all(0) if given else None
         return first._copy(
             [t for _, t, _ in entries],
             first.batch_size,
             layer_ids=ids,
             layer_names=names if all(names) else [],
+            routed=routed,
         )
 
     # ---- storage ------------------------------------------------------------------------------
@@ -473,6 +514,8 @@ class RoutingTrace:
         trace's ``missing`` policy is ``"live"``).
 
         Raises:
+            RoutingFileError: ``path`` does not exist or is a folder (a ``RoutingError`` and a
+                ``FileNotFoundError``).
             RoutingError: the file is not a routing trace or any of the above does not hold.
         """
         from modelgraft.moe._storage import load_trace
