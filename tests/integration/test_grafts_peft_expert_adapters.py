@@ -204,3 +204,29 @@ def test_the_peft_examples_of_the_docs_run_and_check_what_they_say() -> None:
         exec(
             compile(source, "docs/grafts.md", "exec"), {}
         )  # each ends in an assert_close against the plain model
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_lora_dropout_on_the_experts_is_refused_at_save_before_anything_is_written(
+    model_type: str, checkpoint, tmp_path: Path
+) -> None:
+    """Issue 28, point 6: PEFT's fused-experts wrapper (``ParamWrapper``) refuses a non-zero
+    ``lora_dropout`` when the plain model loads the adapter, so the save must not write one."""
+    if (why := _grafted_here(model_type)) is not None:
+        pytest.skip(why)
+    grafted = _load(checkpoint(model_type), model_type, grafted=True)
+    model = get_peft_model(grafted, LoraConfig(r=2, target_modules=_experts_only(grafted), lora_dropout=0.1))
+    with pytest.raises(ExpertsAdapterError, match=r"lora_dropout=0\.1.*experts.*merge_and_unload"):
+        model.save_pretrained(tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists()
+    # With dropout 0 the same adapter saves and loads on the plain model.
+    model = get_peft_model(
+        _load(checkpoint(model_type), model_type, grafted=True),
+        LoraConfig(r=2, target_modules=_experts_only(grafted), lora_dropout=0.0),
+    )
+    _randomise(model, seed=1)
+    model.save_pretrained(tmp_path / "adapter")
+    plain = PeftModel.from_pretrained(
+        _load(checkpoint(model_type), model_type, grafted=False), tmp_path / "adapter"
+    )
+    _same(_outputs(plain.eval(), model_type), _outputs(model.eval(), model_type))

@@ -79,6 +79,16 @@ def _role(layers: list[nn.Module], adapter: str, where: str) -> _Role | None:
                 "(`target_parameters`) do not support: merge it (`merge_and_unload()`) and save the merged "
                 "checkpoint, which loads on the plain model."
             )
+        dropout = layer.lora_dropout[adapter] if adapter in getattr(layer, "lora_dropout", {}) else None
+        rate = float(getattr(dropout, "p", 0.0))
+        if rate != 0.0:
+            raise ExpertsAdapterError(
+                f"The adapter `{adapter}` uses `lora_dropout={rate:g}` on the experts `{where}`; PEFT's fused 3D "
+                "experts (`target_parameters`, its `ParamWrapper`) refuse a non-zero dropout, so the plain model "
+                "could not load the saved adapter. Dropout changes nothing at inference: train the adapter "
+                "with `lora_dropout=0`, or merge it "
+                "(`merge_and_unload()`) and save the merged checkpoint. Nothing was written."
+            )
         roles.add(
             _Role(
                 int(layer.r[adapter]),
