@@ -52,7 +52,8 @@ class PatchRegistrationError(GraftError, ValueError):
 
 
 class ReplacementTypeError(GraftError, TypeError):
-    """A replacement is not a class, or not a subclass of ``torch.nn.Module``."""
+    """A replacement is not a class, not a subclass of ``torch.nn.Module``, or cannot be built
+    with the arguments transformers passes to the class it replaces."""
 
 
 class ConversionError(GraftError, ValueError):

@@ -354,31 +354,11 @@ def _matches_by_name(model: torch.nn.Module, snap: Snapshot) -> list[tuple[str, 
     return found
 
 
-def _undecorated_init(init: Any) -> Any:
-    """The ``__init__`` under decorators that replace it with ``(self, *args, **kwargs)`` without
-    ``functools.wraps`` (``kernels``' ``use_kernelized_func``, which transformers 5.25 puts on
-    some attention classes): the one function named ``__init__`` the wrapper closes over."""
-    for _ in range(8):  # decorators stack; a handful deep at most
-        parameters = list(inspect.signature(init).parameters.values())[1:]
-        if any(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters) or not parameters:
-            return init
-        inner = [
-            cell.cell_contents
-            for cell in getattr(init, "__closure__", None) or ()
-            if inspect.isfunction(getattr(cell, "cell_contents", None))
-            and cell.cell_contents.__name__ == "__init__"
-        ]
-        if len(inner) != 1:
-            return init
-        init = inner[0]
-    return init
-
-
 def _ctor_args_from_attributes(
     module: torch.nn.Module, replacement: type
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Recover the original constructor's arguments from attributes named like its parameters."""
-    signature = inspect.signature(_undecorated_init(type(module).__init__))
+    signature = inspect.signature(swap.undecorated_init(type(module).__init__))
     kwargs: dict[str, Any] = {}
     for name, param in list(signature.parameters.items())[1:]:
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):

@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import threading
@@ -40,6 +41,7 @@ import torch
 
 from modelgraft import _compat
 from modelgraft._forksafe import ForkSafeLock
+from modelgraft.errors import GraftError, ReplacementTypeError
 from modelgraft.registry import Snapshot
 from modelgraft.report import ReplacedModule
 
@@ -52,6 +54,7 @@ __all__ = [
     "remove_scope_prefix",
     "replaced_modules",
     "suspended",
+    "undecorated_init",
 ]
 
 
@@ -187,6 +190,26 @@ def _is_library_module(name: str) -> bool:
     return root in _LIBRARY_ROOTS and not _name_in_scope(name)
 
 
+def undecorated_init(init: Any) -> Any:
+    """The ``__init__`` under decorators that replace it with ``(self, *args, **kwargs)`` without
+    ``functools.wraps`` (``kernels``' ``use_kernelized_func``, which transformers 5.25 puts on
+    some attention classes): the one function named ``__init__`` the wrapper closes over."""
+    for _ in range(8):  # decorators stack; a handful deep at most
+        parameters = list(inspect.signature(init).parameters.values())[1:]
+        if any(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters) or not parameters:
+            return init
+        inner = [
+            cell.cell_contents
+            for cell in getattr(init, "__closure__", None) or ()
+            if inspect.isfunction(getattr(cell, "cell_contents", None))
+            and cell.cell_contents.__name__ == "__init__"
+        ]
+        if len(inner) != 1:
+            return init
+        init = inner[0]
+    return init
+
+
 class Swap:
     """Context manager binding the replacements of ``snap`` in the in-scope modules, re-entrantly.
 
@@ -249,6 +272,35 @@ class Swap:
         self._depth -= 1
         if self._depth == 0 and self.snap:
             self._restore()
+        if isinstance(exc, TypeError) and not isinstance(exc, GraftError):
+            named = self._call_error(exc)
+            if named is not None:
+                raise named from exc
+
+    def _call_error(self, exc: TypeError) -> ReplacementTypeError | None:
+        """The error naming the key and the class, where ``exc`` is Python refusing the arguments
+        of a call to a replacement class (its ``__init__`` does not take the original's); an error
+        raised inside a replacement's own code is left as it is."""
+        innermost = exc.__traceback__
+        while innermost is not None and innermost.tb_next is not None:
+            innermost = innermost.tb_next
+        running = innermost.tb_frame.f_locals.get("self") if innermost is not None else None
+        text = str(exc)
+        for _module, _attr, original, replacement, key in self._applied_log:
+            if isinstance(running, replacement):
+                return None  # raised while its own __init__ ran: the user's code, left as it is
+            if text.startswith(f"{replacement.__qualname__}.__init__()"):
+                try:
+                    expected = f"`{original.__name__}.__init__{inspect.signature(undecorated_init(original.__init__))}`"
+                except (TypeError, ValueError):
+                    expected = f"the arguments of `{original.__name__}`"
+                return ReplacementTypeError(
+                    f"The replacement `{replacement.__name__}` (key `{key}`) cannot be built where "
+                    f"`{original.__name__}` was: {text}. transformers builds it with the original's "
+                    f"arguments, so its `__init__` must accept {expected} (subclass `{original.__name__}` "
+                    "or take the same parameters). Nothing stays swapped."
+                )
+        return None
 
     def replacements(self) -> dict[type, type]:
         """``{original class: replacement}`` for every binding this swap changed."""

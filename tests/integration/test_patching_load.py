@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import (
     AutoModelForCausalLM,
     LlamaForCausalLM,
@@ -15,6 +16,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention
 
 from families import family
 from modelgraft import (
+    ReplacementTypeError,
     apply_patches,
     clear_patch_mapping,
     register_patch_mapping,
@@ -47,6 +49,44 @@ def test_failing_replacement_is_restored(loader: str, tiny_llama_dir: Path) -> N
     clear_patch_mapping()
     model = LlamaModel(family("llama").config())
     assert type(model.layers[0].self_attn) is LlamaAttention
+
+
+class AttentionOfAnotherSignature(torch.nn.Module):
+    def __init__(self, hidden_size: int, heads: int) -> None:
+        super().__init__()
+
+
+# Issue 28, point 8: a replacement whose __init__ does not take the original's arguments.
+@pytest.mark.parametrize("loader", ["from_config", "from_pretrained", "apply_patches"])
+def test_a_replacement_that_cannot_take_the_originals_arguments_is_named_with_its_key(
+    loader: str, tiny_llama_dir: Path
+) -> None:
+    register_patch_mapping({"LlamaAttention": AttentionOfAnotherSignature})
+    with pytest.raises(ReplacementTypeError) as raised:
+        if loader == "from_config":
+            AutoModelForCausalLM.from_config(family("llama").config())
+        elif loader == "from_pretrained":
+            LlamaForCausalLM.from_pretrained(tiny_llama_dir)
+        else:
+            with apply_patches():
+                LlamaModel(family("llama").config())
+    message = str(raised.value)
+    assert isinstance(raised.value, TypeError)
+    assert "`AttentionOfAnotherSignature`" in message and "key `LlamaAttention`" in message, message
+    assert "LlamaAttention.__init__(self, config" in message, message  # what it must accept
+    assert isinstance(raised.value.__cause__, TypeError)
+    assert modeling_llama.LlamaAttention is LlamaAttention
+
+
+def test_an_error_inside_a_replacements_own_init_is_left_as_it_is() -> None:
+    class Raising(LlamaAttention):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise TypeError("a bug of the user's own")
+
+    register_patch_mapping({"LlamaAttention": Raising})
+    with pytest.raises(TypeError, match="a bug of the user's own") as raised, apply_patches():
+        LlamaModel(family("llama").config())
+    assert not isinstance(raised.value, ReplacementTypeError)
 
 
 def test_exception_inside_apply_patches_block_restores() -> None:
