@@ -291,7 +291,8 @@ class Swap:
                 return None  # raised while its own __init__ ran: the user's code, left as it is
             if text.startswith(f"{replacement.__qualname__}.__init__()"):
                 try:
-                    expected = f"`{original.__name__}.__init__{inspect.signature(undecorated_init(original.__init__))}`"
+                    init = undecorated_init(vars(original).get("__init__") or getattr(original, "__init__"))  # noqa: B009
+                    expected = f"`{original.__name__}.__init__{inspect.signature(init)}`"
                 except (TypeError, ValueError):
                     expected = f"the arguments of `{original.__name__}`"
                 return ReplacementTypeError(
