@@ -44,8 +44,23 @@ def env_python(release: str) -> Path:
     return ENVS / release / "bin" / "python"
 
 
+def _pin(constraints: str) -> str:
+    for line in (ROOT / constraints).read_text().splitlines():
+        if line.startswith("transformers=="):
+            return line.removeprefix("transformers==").strip()
+    raise SystemExit(f"{constraints} pins no transformers")
+
+
 def ensure(release: str) -> Path:
-    """The python of ``release``'s environment, created when missing or incomplete."""
+    """The python of ``release``'s environment, created when missing or incomplete.
+
+    The 4.57 pin of ``constraints-compat.txt`` uses ``.venv-compat`` (``make setup-compat``): 4.57
+    needs older releases of the hub client and of ``datasets`` than the base venv holds, so it
+    cannot share the base venv's packages.
+    """
+    if release == _pin("constraints-compat.txt"):
+        subprocess.run(["make", "-s", "setup-compat"], cwd=ROOT, check=True)
+        return ROOT / ".venv-compat" / "bin" / "python"
     folder = ENVS / release
     stamp = folder / ".installed"
     python = env_python(release)

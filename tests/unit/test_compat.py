@@ -48,7 +48,8 @@ def _llama_config(**overrides: object) -> LlamaConfig:
 
 
 @pytest.mark.parametrize(
-    "version", ["4.57.0", "4.57.6", "4.57.0.dev0", "5.16.0", "5.16.1", "5.17.0", "5.19.0", "5.25.0", "5.99.1"]
+    "version",
+    ["4.57.0", "4.57.6", "4.57.0.dev0", "5.13.0", "5.13.1", "5.15.1", "5.17.0", "5.19.0", "5.25.0", "5.99.1"],
 )
 def test_supported_versions_pass(version: str) -> None:
     _compat.check_supported(Version(version))
@@ -66,7 +67,7 @@ def test_supported_versions_pass(version: str) -> None:
         "5.0.0",
         "5.0.0rc1",
         "5.5.4",
-        "5.15.1",
+        "5.12.1",
         "6.0.0",
         "6.0.0.dev0",
     ],
@@ -74,7 +75,7 @@ def test_supported_versions_pass(version: str) -> None:
 def test_unsupported_versions_raise_with_the_supported_ranges(version: str) -> None:
     with pytest.raises(
         UnsupportedTransformersError,
-        match=rf"supports transformers >=4\.57,<4\.58 or >=5\.16,<6; found `{re.escape(version)}`",
+        match=rf"supports transformers >=4\.57,<4\.58 or >=5\.13,<6; found `{re.escape(version)}`",
     ):
         _compat.check_supported(Version(version))
     assert not _compat.is_supported(version)
@@ -111,7 +112,7 @@ def test_package_metadata_declares_the_supported_versions() -> None:
     (spec,) = [r for r in requirements if re.match(r"transformers\b", r) and "extra" not in r]
     specifiers = SpecifierSet(spec.removeprefix("transformers").strip())
     # The metadata and the import-time check agree on every release either could be asked about.
-    for release in ("4.46.0", "4.56.2", "4.57.0", "4.57.6", "5.0.0", "5.5.4", "5.15.1", "5.16.0",
+    for release in ("4.46.0", "4.56.2", "4.57.0", "4.57.6", "5.0.0", "5.5.4", "5.12.1", "5.13.0", "5.15.1", "5.16.0",
                     "5.16.1", "5.17.0", "5.19.0", "5.22.2", "5.25.0", "5.99.0", "6.0.0"):  # fmt: skip
         assert (release in specifiers) == _compat.is_supported(release), (release, spec)
 

