@@ -33,18 +33,23 @@ class FailingAttention(LlamaAttention):
         raise RuntimeError("init failed on purpose")
 
 
+def _build(loader: str, tiny_llama_dir: Path) -> None:
+    """Build a Llama through one of the three construction paths the patches cover."""
+    if loader == "from_config":
+        AutoModelForCausalLM.from_config(family("llama").config())
+    elif loader == "from_pretrained":
+        LlamaForCausalLM.from_pretrained(tiny_llama_dir)
+    else:
+        with apply_patches():
+            LlamaModel(family("llama").config())
+
+
 # ---- point 3 ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("loader", ["from_config", "from_pretrained", "apply_patches"])
 def test_failing_replacement_is_restored(loader: str, tiny_llama_dir: Path) -> None:
     register_patch_mapping({"LlamaAttention": FailingAttention})
     with pytest.raises(RuntimeError, match="init failed on purpose"):
-        if loader == "from_config":
-            AutoModelForCausalLM.from_config(family("llama").config())
-        elif loader == "from_pretrained":
-            LlamaForCausalLM.from_pretrained(tiny_llama_dir)
-        else:
-            with apply_patches():
-                LlamaModel(family("llama").config())
+        _build(loader, tiny_llama_dir)
     assert modeling_llama.LlamaAttention is LlamaAttention
     clear_patch_mapping()
     model = LlamaModel(family("llama").config())
@@ -63,13 +68,7 @@ def test_a_replacement_that_cannot_take_the_originals_arguments_is_named_with_it
 ) -> None:
     register_patch_mapping({"LlamaAttention": AttentionOfAnotherSignature})
     with pytest.raises(ReplacementTypeError) as raised:
-        if loader == "from_config":
-            AutoModelForCausalLM.from_config(family("llama").config())
-        elif loader == "from_pretrained":
-            LlamaForCausalLM.from_pretrained(tiny_llama_dir)
-        else:
-            with apply_patches():
-                LlamaModel(family("llama").config())
+        _build(loader, tiny_llama_dir)
     message = str(raised.value)
     assert isinstance(raised.value, TypeError)
     assert "`AttentionOfAnotherSignature`" in message and "key `LlamaAttention`" in message, message
